@@ -1,0 +1,1 @@
+"""Continuous-batching engine: sequences, block manager, scheduler, model runner, sampler."""

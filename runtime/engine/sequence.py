@@ -1,0 +1,130 @@
+"""Requests as the engine sees them: sampling parameters, sequences and their outputs.
+
+A *request* carries one prompt and ``n`` *sequences* (its completions). Each sequence owns its
+token list (prompt + generated), its KV block table and its status.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation controls (validated at the API edge; ranges re-checked here)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N ≥ 0 = chosen token's logprob + N top alternatives
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_tokens": self.max_tokens >= 1,
+            "temperature": 0.0 <= self.temperature <= 2.0,
+            "top_p": 0.0 < self.top_p <= 1.0,
+            "top_k": self.top_k >= -1,
+            "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
+            "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
+            "logprobs": self.logprobs is None or 0 <= self.logprobs <= 20,
+            "n": 1 <= self.n <= 16,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid value for {bad[0]}: {getattr(self, bad[0])!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability under the target, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first, len = requested N
+
+
+@dataclass
+class Sequence:
+    """One completion being generated. ``num_computed_tokens`` have K/V in the cache."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prefix_tokens: int = 0  # prefix-cache hit length of the latest admission
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class CompletionDelta:
+    """What one sequence produced since the last output of its request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclass
+class RequestOutput:
+    """An increment of a request's output; ``finished`` once every completion has ended."""
+
+    request_id: str
+    deltas: list[CompletionDelta]
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far, summed over completions
+    num_cached_tokens: int
+    finished: bool

@@ -1,0 +1,189 @@
+"""Llama/Qwen2-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+
+Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` …) so HF
+safetensors load as they are; q/k/v and gate/up are stored fused and filled by ``load_weights``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.runtime.models.attention import AttentionBatch, paged_attention
+from specdecode.runtime.models.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved RoPE (HF ``rotate_half`` layout), cos/sin tables indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim], positions: [T]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: RotaryEmbedding,
+        kv_pool: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(q.view(-1, self.num_heads, self.head_dim), batch.positions)
+        k = rope(k.view(-1, self.num_kv_heads, self.head_dim), batch.positions)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(paged_attention(q, k, v, kv_pool[0], kv_pool[1], batch, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, kv_pool, batch):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_pool, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# HF checkpoint name suffix → (our fused parameter, shard index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLM(nn.Module):
+    """Causal LM: ``forward`` returns hidden states, ``compute_logits`` projects selected rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K pool, V pool)
+        batch: AttentionBatch,
+    ) -> torch.Tensor:  # [T, hidden] after the final norm
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_pool in zip(self.model.layers, kv_pools):
+            x = layer(x, self.rope, kv_pool, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] fp32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, filling the fused q/k/v and gate/up parameters shard by shard."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still carry a copy of the embedding
+            target, shard = name, None
+            for part, (fused, index) in _FUSED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), index
+                    break
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
+            _copy_shard(params[target], tensor, shard, self._shard_sizes(target))
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        missing = self._expected_keys() - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def _shard_sizes(self, param_name: str) -> list[int]:
+        c = self.config
+        if ".qkv_proj." in param_name:
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def _expected_keys(self) -> set[str]:
+        keys = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                keys |= {f"{name}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in name:
+                keys |= {f"{name}#{i}" for i in range(2)}
+            else:
+                keys.add(name)
+        return keys
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dest = param
+        else:
+            start = sum(sizes[:shard])
+            dest = param.narrow(0, start, sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+        dest.copy_(tensor)
