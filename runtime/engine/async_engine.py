@@ -1,0 +1,189 @@
+"""Drive ``LLMEngine`` from a background thread and stream its outputs to asyncio callers.
+
+The engine thread owns the engine: requests and aborts reach it through a thread-safe inbox,
+outputs go back through ``loop.call_soon_threadsafe`` into one asyncio queue per request. An
+exception inside a step fails the requests in flight with that error instead of killing the
+thread, so one bad step never takes the server down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.engine.llm_engine import EngineStats, LLMEngine
+from specdecode.runtime.engine.sequence import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; the caller should answer 503 and let the client retry."""
+
+
+class EngineDead(Exception):
+    """The engine thread has stopped."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: "_Sink"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Sink:
+    """Hands engine outputs (or an exception) to one asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting_requests: int):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.ready = False
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._pending = 0  # requests submitted but not yet admitted by the engine thread
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":
+        from specdecode.runtime.models.loader import load_model
+
+        loaded = load_model(cfg.load)
+        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
+        return cls(engine, loaded.name, cfg.scheduler.max_waiting_requests)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def start(self) -> None:
+        """Warm up (one real step, so the first request does not pay for it) and start stepping."""
+        self._warm_up()
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self._thread.start()
+        self.ready = True
+
+    def shutdown(self) -> None:
+        self.ready = False
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDead("the engine is not running")
+        self.engine._validate(request_id, prompt_token_ids, params)
+        with self._lock:
+            waiting = self._stats.num_waiting + self._pending
+            if waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(f"{waiting} requests are waiting; retry later")
+            self._pending += 1
+        sink = _Sink(asyncio.get_running_loop())
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def _warm_up(self) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        self.engine.add_request("__warmup__", [0, 1, 2, 3], params)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished()
+            if not self._drain_inbox(block):
+                return
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.stats()
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink.put(out)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False once shutdown was asked for."""
+        while True:
+            try:
+                msg = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if msg is None:
+                self._fail_all(EngineDead("the engine is shutting down"))
+                return False
+            if isinstance(msg, _Abort):
+                self.engine.abort_request(msg.request_id)
+                self._sinks.pop(msg.request_id, None)
+            else:
+                self._admit(msg)
+            self._stats = self.engine.stats()
+
+    def _admit(self, msg: _Add) -> None:
+        with self._lock:
+            self._pending -= 1
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except ValueError as exc:
+            msg.sink.put(exc)
+            return
+        self._sinks[msg.request_id] = msg.sink
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        for sink in self._sinks.values():
+            sink.put(exc)
+        self._sinks.clear()
+        self._stats = self.engine.stats()
