@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server, its protocol models, errors and Prometheus metrics."""
