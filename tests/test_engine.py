@@ -59,7 +59,7 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
     return [out[str(i)] for i in range(len(prompts))]
 
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +77,7 @@ def smol_alone(smollm2, smol_prompts):
     [
         pytest.param({}, id="batch-of-8"),
         pytest.param({"budget": 16}, id="chunked-prefill"),
-        pytest.param({"num_blocks": 12, "block_size": 8}, id="forced-preemption"),
+        pytest.param({"num_blocks": 20, "block_size": 8}, id="forced-preemption"),
     ],
 )
 def test_greedy_batch_equals_alone(smollm2, smol_prompts, smol_alone, assert_greedy_match, engine_kwargs):

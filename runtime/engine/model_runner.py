@@ -77,7 +77,8 @@ class ModelRunner:
             query_pos[b, :count] = torch.arange(start, start + count)
             block_tables[b, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
         token_valid = torch.arange(q_len)[None, :] < torch.tensor([c for _, c, _ in spans])[:, None]
+        valid_rows = token_valid.view(-1).nonzero()[:, 0]
         key_pos = torch.arange(num_blocks * self.block_size)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
         dev = self.device
-        return AttentionGroup(token_index.to(dev), token_valid.to(dev), block_tables.to(dev), mask.to(dev))
+        return AttentionGroup(token_index.to(dev), valid_rows.to(dev), block_tables.to(dev), mask.to(dev))

@@ -23,7 +23,7 @@ class AttentionGroup:
     """Sequences attended in one padded SDPA call."""
 
     token_index: torch.Tensor  # [B, Q] long: row in the step's flat token batch (padding → 0)
-    token_valid: torch.Tensor  # [B, Q] bool
+    valid_rows: torch.Tensor  # [N] long: which of the B*Q padded rows are real tokens
     block_tables: torch.Tensor  # [B, max_blocks] long: pool block ids (padding → 0)
     mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] bool: True = attend
 
@@ -60,5 +60,6 @@ def paged_attention(
             qg, kg, vg, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != kv_heads
         )  # [B, heads, Q, head_dim]
         og = og.transpose(1, 2).reshape(bsz, q_len, num_heads * head_dim)
-        out[group.token_index[group.token_valid]] = og[group.token_valid]
+        og = og.reshape(bsz * q_len, -1).index_select(0, group.valid_rows)
+        out.index_copy_(0, group.token_index.view(-1).index_select(0, group.valid_rows), og)
     return out
