@@ -96,6 +96,11 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    @property
+    def dead(self) -> bool:
+        """The stepping thread was started and has stopped on its own (liveness probe fails)."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         return self._stats
 

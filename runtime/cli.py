@@ -1,0 +1,177 @@
+"""``specdecode`` console entry: one parser, subcommands imported lazily.
+
+This module imports nothing heavy (no torch, no FastAPI): ``specdecode --help`` and the operator's
+torch-free subcommands must work in a slim image. Each subcommand is a ``Subcommand`` row — a name,
+a help line, a function adding its arguments, and a function running it that does its own
+imports. To add one, write those two functions and append a row to ``SUBCOMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
+
+
+# -- shared argument groups ---------------------------------------------------------------------
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the model comes from and how it is loaded (``LoadConfig``)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="GGUF file, Hugging Face folder, or alias (smollm2-135m, qwen2.5-coder-0.5b, "
+                        "qwen2.5-coder-1.5b); default %(default)s")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="default auto")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="default auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template replacing the model's")
+    g.add_argument("--weight-cache-dir", default=None, metavar="DIR",
+                   help="where dequantized GGUF weights are cached (default ~/.cache/specdecode/weights)")
+    g.add_argument("--no-weight-cache", action="store_true", help="do not cache dequantized weights")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """KV cache and scheduler (``CacheConfig``, ``SchedulerConfig``); unset flags keep the config defaults."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget")
+    g.add_argument("--kv-cache-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV pool budget in GiB when --kv-cache-blocks is unset")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="a fuller waiting queue answers 503")
+
+
+def _set(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def engine_config(args: argparse.Namespace):
+    """``EngineConfig`` from the model and engine argument groups (flags absent from ``args`` are unset)."""
+    from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+
+    get = lambda name: getattr(args, name, None)  # noqa: E731 - a subcommand may lack a group
+    load = _set(model=args.model, device=get("device"), dtype=get("dtype"), chat_template=get("chat_template"),
+                weight_cache_dir=get("weight_cache_dir"))
+    if get("no_weight_cache"):
+        load["weight_cache_dir"] = None
+    cache = _set(num_blocks=get("kv_cache_blocks"), memory_gib=get("kv_cache_memory_gib"),
+                 block_size=get("block_size"))
+    if get("no_prefix_caching"):
+        cache["enable_prefix_caching"] = False
+    scheduler = _set(max_model_len=get("max_model_len"), max_num_seqs=get("max_num_seqs"),
+                     max_num_batched_tokens=get("max_num_batched_tokens"),
+                     max_waiting_requests=get("max_waiting_requests"))
+    return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler))
+
+
+# -- serve --------------------------------------------------------------------------------------
+
+
+def _add_serve(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=None, help="default 127.0.0.1")
+    g.add_argument("--port", type=int, default=None, help="default 8000")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    g.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default $SPECDECODE_API_KEY)")
+    g.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, wait this long for requests in flight (default 600)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from pydantic import ValidationError
+
+    from specdecode.runtime.config import ServerConfig
+    from specdecode.runtime.server.serve import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = ServerConfig(engine=engine_config(args), **_set(
+            host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
+            drain_timeout_s=args.drain_timeout))
+    except ValidationError as exc:
+        print(f"specdecode serve: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    run_server(cfg, log_level=args.log_level)
+    return 0
+
+
+# -- generate -----------------------------------------------------------------------------------
+
+
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from specdecode.runtime.engine.async_engine import AsyncEngine
+    from specdecode.runtime.engine.sequence import SamplingParams
+
+    engine = AsyncEngine.from_config(engine_config(args)).engine  # the synchronous LLMEngine, no thread
+    tokenizer = engine.tokenizer
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
+    params = SamplingParams(max_tokens=max(1, max_tokens), temperature=args.temperature, seed=args.seed)
+    engine.add_request("generate", prompt_ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            for delta in out.deltas:
+                sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", _add_serve, _run_serve),
+    Subcommand("generate", "generate one completion and print it", _add_generate, _run_generate),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Speculative-decoding LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in SUBCOMMANDS:
+        command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(command_parser)
+        command_parser.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""OpenAI-compatible request and response bodies (``/v1/completions``, ``/v1/chat/completions``).
+
+Requests are strict: an unknown field is refused (``extra="forbid"``), and an OpenAI field we do
+not implement is refused by name unless it carries its neutral value (``"echo": false``,
+``"logit_bias": {}``…), so nothing a client asks for is ever silently ignored. A ``null`` for a
+field we know means "the default". Ranges follow the OpenAI API (and ``SamplingParams``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from specdecode.runtime.engine.sequence import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class UnsupportedField(ValueError):
+    """A known OpenAI field we do not implement was given a non-neutral value."""
+
+    def __init__(self, field: str):
+        super().__init__(f"'{field}' is not supported by this server")
+        self.field = field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # field → the values that mean "not used" (accepted and ignored); anything else is refused
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @classmethod
+    def parse(cls, raw: Any):
+        """Validate a decoded JSON body; raises ``UnsupportedField`` or pydantic's ValidationError."""
+        if isinstance(raw, dict):
+            for name, neutral in cls.UNSUPPORTED.items():
+                if name in raw and raw[name] not in neutral:
+                    raise UnsupportedField(name)
+            raw = {k: v for k, v in raw.items() if k not in cls.UNSUPPORTED}
+        return cls.model_validate(raw)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = Field(None, ge=1)  # None = what is left of the context
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 = off
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: list[str] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions, info: ValidationInfo) -> StreamOptions:
+        if not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs,
+            n=self.n,
+        )
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_GenerationRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "best_of": (None, 1),
+        "echo": (None, False),
+        "suffix": (None, ""),
+        "logit_bias": (None, {}),
+    }
+
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> Any:
+        """Accept a batch of one (``["text"]`` or ``[[ids]]``); refuse larger batches by name."""
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batches of several prompts are not supported; send one request per prompt")
+            return v[0]
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it (vLLM)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- chat
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_is_one_part(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise ValueError("content must be a string or a list of text parts")
+        return v
+
+    @property
+    def text(self) -> str:
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template expects it (``developer`` is OpenAI's new ``system``)."""
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "logit_bias": (None, {}),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "modalities": (None, ["text"]),
+        "audio": (None,),
+        "prediction": (None,),
+        "reasoning_effort": (None,),
+        "web_search_options": (None,),
+        "best_of": (None, 1),
+        "echo": (None, False),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM extension, also used by /tokenize
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int, info: ValidationInfo) -> int:
+        if not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.for_template() for m in self.messages]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _only_set(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionStreamChoice(CompletionChoice):
+    pass
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------- models, tokenize (vLLM)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specdecode"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,359 @@
+"""Completions and chat completions: request → prompt ids + SamplingParams → engine → response.
+
+Errors the engine raises before its first output (queue full, invalid request) become proper HTTP
+errors; a stream therefore starts (status 200) with the first output in hand. A client that goes
+away — while waiting, mid-stream, or before a non-streaming answer — closes the engine's
+generator, which aborts the request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdecode.runtime.engine.async_engine import EngineDead, EngineOverloaded
+from specdecode.runtime.engine.sequence import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from specdecode.runtime.server.errors import APIError, bad_request, internal_error, overloaded
+from specdecode.runtime.server.logprobs import CompletionLogprobBuilder, TokenTexts
+from specdecode.runtime.server.metrics import RequestTimer, ServerMetrics
+from specdecode.runtime.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody receives it
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class ServingState:
+    """Drain and load bookkeeping shared with the uvicorn runner."""
+
+    draining: bool = False
+    inflight: int = 0
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Run:
+    """One generation request in flight: its engine stream, timeline and accumulated choices."""
+
+    chat: bool  # a chat completion (else a text completion)
+    response_id: str
+    model: str
+    n: int
+    stream: AsyncIterator[RequestOutput]
+    first: RequestOutput
+    timer: RequestTimer
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    last: RequestOutput | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        self.timer.on_output(out)
+        self.last = out
+        for d in out.deltas:
+            choice = self.choices.setdefault(d.index, _Choice())
+            choice.text.append(d.text)
+            choice.logprobs.extend(d.logprobs)
+            if d.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+
+    def finish_reasons(self) -> list[str]:
+        """One per choice; a choice that never finished was aborted."""
+        return [
+            (c.finish_reason or FinishReason.ABORT).value
+            for c in (self.choices.get(i, _Choice()) for i in range(self.n))
+        ]
+
+    def usage(self) -> UsageInfo:
+        out = self.last or self.first
+        return UsageInfo(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        )
+
+
+async def _next(stream: AsyncIterator[T]) -> T:
+    return await anext(stream)
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its body iterator however the stream ends, so the engine request is always released."""
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class OpenAIServing:
+    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics, state: ServingState, block_size: int):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.state = state
+        self.block_size = block_size
+        self.texts = TokenTexts(engine.tokenizer)
+
+    # -- request → engine inputs ----------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            return self.chat_prompt_ids(req.template_messages(), req.add_generation_prompt)
+        if isinstance(req.prompt, str):
+            return self.engine.tokenizer.encode(req.prompt, add_special_tokens=True)
+        vocab = self.engine.tokenizer.vocab_size
+        if any(t >= vocab for t in req.prompt):
+            raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return list(req.prompt)
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int) -> int:
+        """The request's max_tokens, or what is left of the context (and of the KV pool)."""
+        max_len = self.engine.max_model_len
+        what = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        requested = req.requested_max_tokens
+        if prompt_len >= max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, your {what} resulted in "
+                f"{prompt_len} tokens. Please reduce the length of the {what}.", what, "context_length_exceeded")
+        if requested is not None and prompt_len + requested > max_len:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the completion). "
+                f"Please reduce the length of the {what} or {name}.", name, "context_length_exceeded")
+        if requested is not None:
+            return requested
+        pool_tokens = self.engine.stats().num_total_blocks * self.block_size
+        return max(1, min(max_len, pool_tokens) - prompt_len)
+
+    def _check_serving(self) -> None:
+        if self.state.draining:
+            raise overloaded("the server is shutting down")
+        if not self.engine.ready:
+            raise overloaded("the model is still loading")
+
+    # -- run ------------------------------------------------------------------------------------
+    async def generate(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        """Answer a (chat) completion request: JSON, or an SSE stream when ``req.stream``."""
+        self._check_serving()
+        self.check_model(req.model)
+        prompt_ids = self._prompt_ids(req)
+        try:
+            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+        except ValueError as exc:  # SamplingParams re-checks ranges the protocol already enforces
+            raise bad_request(str(exc)) from None
+        chat = isinstance(req, ChatCompletionRequest)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
+        timer = RequestTimer()
+        self.state.inflight += 1
+        handed_off = False
+        try:
+            stream = self.engine.generate(f"{response_id}-{uuid.uuid4().hex[:8]}", prompt_ids, params)
+            try:
+                first = await _unless_disconnected(_next(stream), request)
+            except ClientGone:
+                self.metrics.record_finished(timer, [FinishReason.ABORT.value] * req.n)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            except (EngineOverloaded, EngineDead) as exc:
+                raise overloaded(str(exc)) from None
+            except ValueError as exc:  # the engine refused the request (its message is for the user)
+                raise bad_request(str(exc)) from None
+            run = _Run(chat, response_id, self.served_model_name, req.n, stream, first, timer)
+            if req.stream:
+                handed_off = True
+                return _SSEResponse(self._stream(run, req))
+            return await self._complete(run, req, request)
+        finally:
+            if not handed_off:
+                self.state.inflight -= 1
+
+    async def _complete(self, run: _Run, req, request: Request) -> Response:
+        try:
+            await _unless_disconnected(self._drain(run), request)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            await run.stream.aclose()
+            self.metrics.record_finished(run.timer, run.finish_reasons())
+        body = self._chat_response(run, req) if run.chat else self._completion_response(run, req)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _drain(self, run: _Run) -> None:
+        out = run.first
+        run.observe(out)
+        while not out.finished:
+            out = await anext(run.stream)
+            run.observe(out)
+
+    async def _stream(self, run: _Run, req) -> AsyncIterator[str]:
+        builders = [CompletionLogprobBuilder(self.texts) for _ in range(run.n)]
+        try:
+            if run.chat:
+                for i in range(run.n):
+                    role = ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    yield self._chat_chunk(run, req, [role])
+            out = run.first
+            while True:
+                run.observe(out)
+                for delta in out.deltas:
+                    if delta.text or delta.finish_reason or delta.logprobs:
+                        yield self._stream_chunk(run, req, delta, builders)
+                if out.finished:
+                    break
+                out = await anext(run.stream)
+            if req.include_usage:
+                chunk_type = ChatCompletionChunk if run.chat else CompletionChunk
+                chunk = chunk_type(id=run.response_id, created=run.created, model=run.model, choices=[],
+                                   usage=run.usage())
+                yield _sse(chunk.model_dump_json())
+            yield _sse("[DONE]")
+        except Exception:  # headers are sent: report the failure in the stream, not as a status
+            log.exception("request %s failed mid-stream", run.response_id)
+            self.metrics.record_error(500)
+            yield _sse(json.dumps(internal_error().body()))
+        finally:
+            await run.stream.aclose()
+            self.metrics.record_finished(run.timer, run.finish_reasons())
+            self.state.inflight -= 1
+
+    def _stream_chunk(self, run: _Run, req, delta: CompletionDelta, builders: list[CompletionLogprobBuilder]) -> str:
+        if run.chat:
+            return self._chat_chunk(run, req, [self._chat_stream_choice(delta, req)])
+        return self._completion_chunk(run, req, [self._completion_stream_choice(delta, req, builders)])
+
+    # -- response shapes ----------------------------------------------------------------------
+    def _chat_logprobs(self, logprobs: list[TokenLogprob], req) -> ChatLogprobs | None:
+        return ChatLogprobs(content=self.texts.chat(logprobs)) if req.logprobs else None
+
+    def _chat_response(self, run: _Run, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(content="".join(c.text)),
+                logprobs=self._chat_logprobs(c.logprobs, req),
+                finish_reason=c.finish_reason.value if c.finish_reason else None,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in sorted(run.choices.items())
+        ]
+        return ChatCompletionResponse(id=run.response_id, created=run.created, model=run.model, choices=choices,
+                                      usage=run.usage())
+
+    def _completion_response(self, run: _Run, req: CompletionRequest) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text="".join(c.text),
+                logprobs=CompletionLogprobBuilder(self.texts).build(c.logprobs) if req.logprobs is not None else None,
+                finish_reason=c.finish_reason.value if c.finish_reason else None,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in sorted(run.choices.items())
+        ]
+        return CompletionResponse(id=run.response_id, created=run.created, model=run.model, choices=choices,
+                                  usage=run.usage())
+
+    def _chat_stream_choice(self, delta: CompletionDelta, req: ChatCompletionRequest) -> ChatStreamChoice:
+        return ChatStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=self._chat_logprobs(delta.logprobs, req),
+            finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+            stop_reason=delta.stop_reason,
+        )
+
+    def _completion_stream_choice(self, delta: CompletionDelta, req: CompletionRequest,
+                                  builders: list[CompletionLogprobBuilder]) -> CompletionStreamChoice:
+        logprobs = builders[delta.index].build(delta.logprobs) if req.logprobs is not None else None
+        return CompletionStreamChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+            stop_reason=delta.stop_reason,
+        )
+
+    def _chat_chunk(self, run: _Run, req, choices: list[ChatStreamChoice]) -> str:
+        chunk = ChatCompletionChunk(id=run.response_id, created=run.created, model=run.model, choices=choices)
+        return _sse(chunk.model_dump_json(exclude=None if req.include_usage else {"usage"}))
+
+    def _completion_chunk(self, run: _Run, req, choices: list[CompletionStreamChoice]) -> str:
+        chunk = CompletionChunk(id=run.response_id, created=run.created, model=run.model, choices=choices)
+        return _sse(chunk.model_dump_json(exclude=None if req.include_usage else {"usage"}))
