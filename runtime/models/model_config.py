@@ -29,7 +29,9 @@ class ModelConfig:
         arch = cfg.get("model_type", "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope_scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes ``rope_parameters`` {rope_theta, rope_type, ...} instead of the two keys.
+        rope_parameters = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or rope_parameters
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
             raise ValueError(f"unsupported rope_scaling {rope_scaling!r}")
         num_heads = cfg["num_attention_heads"]
@@ -43,7 +45,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
