@@ -54,6 +54,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="a fuller waiting queue answers 503")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method":"ngram","num_speculative_tokens":4,"verify":"rejection"}\' '
+                        "(methods: none, ngram; verify: greedy, target_match, rejection, topp — topp is lossy)")
 
 
 def _set(**values: Any) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def _set(**values: Any) -> dict[str, Any]:
 
 def engine_config(args: argparse.Namespace):
     """``EngineConfig`` from the model and engine argument groups (flags absent from ``args`` are unset)."""
-    from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+    from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - a subcommand may lack a group
     load = _set(model=args.model, device=get("device"), dtype=get("dtype"), chat_template=get("chat_template"),
@@ -76,7 +79,10 @@ def engine_config(args: argparse.Namespace):
     scheduler = _set(max_model_len=get("max_model_len"), max_num_seqs=get("max_num_seqs"),
                      max_num_batched_tokens=get("max_num_batched_tokens"),
                      max_waiting_requests=get("max_waiting_requests"))
-    return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler))
+    spec_json = get("speculative_config")
+    speculative = SpeculativeConfig.model_validate_json(spec_json) if spec_json else SpeculativeConfig()
+    return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler),
+                        speculative=speculative)
 
 
 # -- serve --------------------------------------------------------------------------------------

@@ -7,11 +7,102 @@ from __future__ import annotations
 from enum import Enum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Shared(Frozen):
+    """A model shared with the operator: snake_case in the runtime's JSON (vLLM convention),
+    camelCase in the CRD (Kubernetes convention) — one model, two spellings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+
+class SpeculativeMethod(str, Enum):
+    NONE = "none"
+    NGRAM = "ngram"
+    SUFFIX = "suffix"
+    DRAFT = "draft"
+
+
+class VerifyStrategy(str, Enum):
+    """How drafts are checked against the target. ``topp`` is lossy; the others are lossless."""
+
+    GREEDY = "greedy"
+    TARGET_MATCH = "target_match"
+    REJECTION = "rejection"
+    TOPP = "topp"
+
+    @property
+    def lossless(self) -> bool:
+        return self is not VerifyStrategy.TOPP
+
+
+KNOWN_GATES = frozenset({"mtp-pipeline-parallel"})
+
+
+class BatchSizeRule(Shared):
+    """Up to ``max_batch_size`` running sequences, propose at most ``num_speculative_tokens``."""
+
+    max_batch_size: int = Field(ge=1)
+    num_speculative_tokens: int = Field(ge=0, le=16)
+
+
+class LoadControl(Shared):
+    """Speculation that pays under light load costs under heavy load: turn it down with the batch
+    size, and off while measured acceptance stays under a floor."""
+
+    batch_size_table: tuple[BatchSizeRule, ...] = Field(
+        (), description="the first rule whose max_batch_size ≥ the running batch applies; past the last rule speculation is off; empty = K at every batch size"
+    )
+    acceptance_floor: float = Field(0.0, ge=0.0, le=1.0, description="0 turns the floor off")
+    window_draft_tokens: int = Field(256, ge=8, description="acceptance is measured over this many draft tokens")
+    reprobe_steps: int = Field(64, ge=1, description="steps spent off before speculation is probed again")
+
+    @field_validator("batch_size_table")
+    @classmethod
+    def _sorted(cls, rules: tuple[BatchSizeRule, ...]) -> tuple[BatchSizeRule, ...]:
+        sizes = [r.max_batch_size for r in rules]
+        if sizes != sorted(set(sizes)):
+            raise ValueError("batch_size_table: max_batch_size must be strictly increasing")
+        return rules
+
+
+class SpeculativeConfig(Shared):
+    """The one speculative-decoding config: runtime flag, CRD schema and operator rendering."""
+
+    method: SpeculativeMethod = SpeculativeMethod.NONE
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    verify: VerifyStrategy = VerifyStrategy.REJECTION
+    prompt_lookup_min: int = Field(1, ge=1, le=16, description="ngram: shortest suffix n-gram matched")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix n-gram matched")
+    draft_model: str | None = Field(None, description="draft: GGUF file, HF folder or alias")
+    verify_top_p: float = Field(0.9, gt=0.0, le=1.0, description="topp: a draft inside this much target mass is accepted")
+    load_control: LoadControl = LoadControl()
+    gates: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method is SpeculativeMethod.DRAFT and not self.draft_model:
+            raise ValueError("method 'draft' needs draft_model (a GGUF file, HF folder or alias)")
+        if self.draft_model and self.method is not SpeculativeMethod.DRAFT:
+            raise ValueError(f"draft_model is only used by method 'draft', not {self.method.value!r}")
+        unknown = sorted(set(self.gates) - KNOWN_GATES)
+        if unknown:
+            raise ValueError(f"unknown gates {unknown}; known: {sorted(KNOWN_GATES)}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not SpeculativeMethod.NONE
 
 
 class Device(str, Enum):
@@ -64,12 +155,7 @@ class EngineConfig(Frozen):
     load: LoadConfig = LoadConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-
-    @model_validator(mode="after")
-    def _budget_fits_one_decode_per_seq(self) -> "EngineConfig":
-        if self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        return self
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class ServerConfig(Frozen):

@@ -292,3 +292,64 @@ def fast_transformers_gguf(monkeypatch):
     import gguf
 
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+
+
+# --- engine fixtures shared by the engine and speculative-decoding tests ---
+
+
+@pytest.fixture(scope="session")
+def smollm2(cache_dir):
+    from specdecode.runtime.config import LoadConfig
+    from specdecode.runtime.models.loader import load_model
+
+    return load_model(LoadConfig(model="smollm2-135m", weight_cache_dir=cache_dir))
+
+
+@pytest.fixture(scope="session")
+def sharp(tiny_hf_model_dir):
+    """The tiny fixture's tokenizer with a random model whose logits are far from ties."""
+    from specdecode.runtime.config import LoadConfig
+    from specdecode.runtime.models.decoder import DecoderLM
+    from specdecode.runtime.models.loader import load_model
+
+    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
+    torch.manual_seed(0)
+    model = DecoderLM(loaded.config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.4)
+    return model.eval(), loaded.tokenizer
+
+
+def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32, spec=None):
+    """An engine on the CPU in fp32; ``spec`` is a SpeculativeConfig dict (snake_case) or None."""
+    from specdecode.runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from specdecode.runtime.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        speculative=SpeculativeConfig(**(spec or {})),
+    )
+    return LLMEngine(model, tokenizer, cfg, 2048, torch.device("cpu"), torch.float32)
+
+
+def _run_all(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run ``prompts`` to completion together; each one's output token ids."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            for d in o.deltas:
+                out[o.request_id] += d.token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    return _make_engine
+
+
+@pytest.fixture(scope="session")
+def run_all():
+    return _run_all

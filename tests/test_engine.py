@@ -6,11 +6,8 @@ preemption), one forward per step, stops, seeds, penalties, n, logprobs, abort.
 import pytest
 import torch
 
-from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
-from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.sequence import FinishReason, SamplingParams
 from specdecode.runtime.models.decoder import DecoderLM
-from specdecode.runtime.models.loader import load_model
 
 PROMPTS = [
     "The capital of France is",
@@ -24,41 +21,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def smollm2(cache_dir):
-    return load_model(LoadConfig(model="smollm2-135m", weight_cache_dir=cache_dir))
-
-
-@pytest.fixture(scope="session")
-def sharp(tiny_hf_model_dir):
-    """The tiny fixture's tokenizer with a random model whose logits are far from ties."""
-    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
-    torch.manual_seed(0)
-    model = DecoderLM(loaded.config)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.4)
-    return model.eval(), loaded.tokenizer
-
-
-def make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32):
-    cfg = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
-    )
-    return LLMEngine(model, tokenizer, cfg, 2048, torch.device("cpu"), torch.float32)
-
-
-def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            for d in o.deltas:
-                out[o.request_id] += d.token_ids
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -68,7 +30,7 @@ def smol_prompts(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smol_alone(smollm2, smol_prompts):
+def smol_alone(smollm2, smol_prompts, make_engine, run_all):
     return [run_all(make_engine(smollm2.model, smollm2.tokenizer), [p], GREEDY)[0] for p in smol_prompts]
 
 
@@ -80,7 +42,7 @@ def smol_alone(smollm2, smol_prompts):
         pytest.param({"num_blocks": 20, "block_size": 8}, id="forced-preemption"),
     ],
 )
-def test_greedy_batch_equals_alone(smollm2, smol_prompts, smol_alone, assert_greedy_match, engine_kwargs):
+def test_greedy_batch_equals_alone(smollm2, smol_prompts, smol_alone, assert_greedy_match, engine_kwargs, make_engine, run_all):
     engine = make_engine(smollm2.model, smollm2.tokenizer, **engine_kwargs)
     batched = run_all(engine, smol_prompts, GREEDY)
     for prompt, alone, got in zip(smol_prompts, smol_alone, batched):
@@ -90,7 +52,7 @@ def test_greedy_batch_equals_alone(smollm2, smol_prompts, smol_alone, assert_gre
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_prefix_cache_hit_keeps_output(smollm2, smol_prompts, smol_alone, assert_greedy_match):
+def test_prefix_cache_hit_keeps_output(smollm2, smol_prompts, smol_alone, assert_greedy_match, make_engine, run_all):
     engine = make_engine(smollm2.model, smollm2.tokenizer)
     long_prompt = smol_prompts[4]
     run_all(engine, [long_prompt + smollm2.tokenizer.encode(" Also,")], GREEDY)
@@ -100,7 +62,7 @@ def test_prefix_cache_hit_keeps_output(smollm2, smol_prompts, smol_alone, assert
     assert_greedy_match(smollm2.model, long_prompt, smol_alone[4], again)
 
 
-def test_one_target_forward_per_step(sharp):
+def test_one_target_forward_per_step(sharp, make_engine):
     model, tok = sharp
     engine = make_engine(model, tok, budget=20)
     calls: list[int] = []
@@ -119,7 +81,7 @@ def test_one_target_forward_per_step(sharp):
     assert sum(calls) == sum(len(p) for p in prompts) + 4 * 4  # prefills + decodes, each computed once
 
 
-def test_stop_conditions(sharp):
+def test_stop_conditions(sharp, make_engine, run_all):
     model, tok = sharp
     prompt = tok.encode("hello world")
     free = run_all(make_engine(model, tok), [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
@@ -147,7 +109,7 @@ def test_stop_conditions(sharp):
     assert text == full_text[: full_text.index(stop)] and reasons == [stop]
 
 
-def test_eos_stops_unless_ignored(sharp):
+def test_eos_stops_unless_ignored(sharp, make_engine, run_all):
     model, tok = sharp
     prompt = tok.encode("hello")
     free = run_all(make_engine(model, tok), [prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
@@ -164,7 +126,7 @@ def test_eos_stops_unless_ignored(sharp):
     assert got[-1] == eos and len(got) <= 3
 
 
-def test_seeded_sampling_is_batch_independent(sharp):
+def test_seeded_sampling_is_batch_independent(sharp, make_engine, run_all):
     model, tok = sharp
     prompts = [tok.encode(t) for t in ("hello", "world peace", "a b c d e f")]
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
@@ -175,7 +137,7 @@ def test_seeded_sampling_is_batch_independent(sharp):
     assert other_seed != alone
 
 
-def test_frequency_penalty_discourages_repeats(sharp):
+def test_frequency_penalty_discourages_repeats(sharp, make_engine, run_all):
     model, tok = sharp
     prompt = tok.encode("again and again")
     plain = run_all(make_engine(model, tok), [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
@@ -185,7 +147,7 @@ def test_frequency_penalty_discourages_repeats(sharp):
     assert len(set(penal)) >= len(set(plain)) and penal != plain
 
 
-def test_n_completions_and_logprobs(sharp, full_forward):
+def test_n_completions_and_logprobs(sharp, full_forward, make_engine):
     model, tok = sharp
     prompt = tok.encode("hello world")
     engine = make_engine(model, tok)
@@ -204,7 +166,7 @@ def test_n_completions_and_logprobs(sharp, full_forward):
         assert [t for t, _ in lp.top] == row.topk(4).indices.tolist()
 
 
-def test_abort_frees_blocks(sharp):
+def test_abort_frees_blocks(sharp, make_engine):
     model, tok = sharp
     engine = make_engine(model, tok)
     engine.add_request("a", tok.encode("hello world " * 8), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
@@ -214,7 +176,7 @@ def test_abort_frees_blocks(sharp):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.has_unfinished()
 
 
-def test_invalid_requests_are_refused_with_reason(sharp):
+def test_invalid_requests_are_refused_with_reason(sharp, make_engine):
     model, tok = sharp
     engine = make_engine(model, tok, num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="maximum context length"):

@@ -1,37 +1,45 @@
 """The synchronous engine: add requests, then ``step()`` until they finish.
 
-One step = schedule → one target forward over every scheduled token → sample → append and
-check stops → report deltas. (Speculation will slot in as propose → score → verify → accept.)
+One step = propose → schedule → score (one target forward over every scheduled token, drafts
+included) → verify → accept (append, check stops) → report deltas. Without a proposer the
+propose step is empty and verification of zero drafts is plain sampling.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import itertools
-import random
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.config import EngineConfig, VerifyStrategy
+from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
+from specdecode.runtime.engine.load_control import LoadController
 from specdecode.runtime.engine.model_runner import ModelRunner, kv_bytes_per_block
-from specdecode.runtime.engine.sampler import SamplerRow, sample
-from specdecode.runtime.engine.scheduler import Scheduler
+from specdecode.runtime.engine.sampler import SamplerRow
+from specdecode.runtime.engine.scheduler import ScheduledSeq, Scheduler
 from specdecode.runtime.engine.sequence import (
     CompletionDelta,
     FinishReason,
     RequestOutput,
     SamplingParams,
     Sequence,
-    TokenLogprob,
+    SpecCounts,
 )
+from specdecode.runtime.engine.verifier import Verdict, Verifier
+from specdecode.runtime.proposers import build_proposer
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
     from specdecode.runtime.tokenizer import Tokenizer
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +62,6 @@ class EngineStats:
 class _Completion:
     seq: Sequence
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
     reported_tokens: int = 0
     reported: bool = False  # its finish has been reported
     stop_reason: str | int | None = None
@@ -91,6 +98,13 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
         self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        spec = cfg.speculative
+        if spec.enabled and spec.verify is VerifyStrategy.TOPP:
+            log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")
+        self.proposer = build_proposer(spec, device)
+        self.verifier = Verifier(spec.verify, spec.verify_top_p)
+        self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
+        self.spec = SpecCounts()
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._touched: set[str] = set()
@@ -101,9 +115,12 @@ class LLMEngine:
         now = time.monotonic()
         completions = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(prompt_token_ids), len(prompt_token_ids), params, now)
+            seed = params.seed + index if params.seed is not None else rng.fresh_seed()
+            seq = Sequence(
+                next(self._seq_ids), request_id, index, list(prompt_token_ids), len(prompt_token_ids), params, now, seed
+            )
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
-            completions.append(_Completion(seq, detok, self._generator(params, index)))
+            completions.append(_Completion(seq, detok))
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, params, completions)
 
@@ -120,20 +137,59 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        self._propose()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self.runner.execute(scheduled)  # [num_sampling, vocab]
-        sampling = [item for item in scheduled if item.samples]
-        rows = [self._sampler_row(item.seq) for item in sampling]
+        logits = self.runner.execute(scheduled)  # [R, vocab]: the deciding rows
+        deciding = [item for item in scheduled if item.samples]
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.blocks.commit_full_blocks(item.seq)
-        if sampling:
-            token_ids, logprobs = sample(logits, rows)
-            for item, token_id, logprob in zip(sampling, token_ids, logprobs):
-                self._append(item.seq, token_id, logprob)
+            item.seq.draft_token_ids = item.seq.draft_token_ids[: item.num_draft]
+            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
+        if deciding:
+            verdicts = self.verifier(logits, [self._sampler_row(item.seq) for item in deciding])
+            for item, verdict in zip(deciding, verdicts):
+                self._accept(item, verdict)
+        for item in scheduled:
+            item.seq.draft_token_ids = []
+            if not item.seq.is_finished:
+                self.blocks.commit_full_blocks(item.seq)
         return self._collect_outputs()
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts for every running sequence that is decoding."""
+        running = self.scheduler.running
+        if self.proposer is None or not running:
+            return
+        k = self.load_control.num_speculative_tokens(len(running))
+        decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
+        caps = [self._draft_cap(s, k) for s in decoding]
+        chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
+        if not chosen:
+            return
+        drafts = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
+        for (seq, _), tokens in zip(chosen, drafts):
+            seq.draft_token_ids = tokens
+
+    def _draft_cap(self, seq: Sequence, k: int) -> int:
+        """Drafts worth scoring: never past max_tokens or the context (one slot stays for the bonus)."""
+        p = seq.params
+        if p.num_speculative_tokens is not None:
+            k = min(k, p.num_speculative_tokens)
+        return max(0, min(k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1))
+
+    def _accept(self, item: ScheduledSeq, verdict: Verdict) -> None:
+        """Append the verdict's tokens; accepted drafts already have K/V, so they count as computed."""
+        seq = item.seq
+        seq.spec.record(item.num_draft, verdict.num_accepted)
+        self.spec.record(item.num_draft, verdict.num_accepted)
+        self.load_control.observe(item.num_draft, verdict.num_accepted)
+        for j, token_id in enumerate(verdict.token_ids):
+            if j > 0:
+                seq.num_computed_tokens += 1  # the token before this one was an accepted draft
+            self._append(seq, token_id, verdict.logprobs[j] if verdict.logprobs else None)
+            if seq.is_finished:
+                return
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -144,6 +200,11 @@ class LLMEngine:
             num_total_blocks=self.blocks.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec.accepted_per_position),
+            spec_decode_enabled=self.proposer is not None and self.load_control.enabled,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -167,17 +228,10 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}; reduce the prompt or max_tokens"
             )
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        seed = params.seed + index if params.seed is not None else random.SystemRandom().randrange(2**63)
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        completion = self.requests[seq.request_id].completions[seq.index]
-        return SamplerRow(seq.params, seq.output_token_ids, completion.generator)
+        return SamplerRow(seq.params, seq.seed, len(seq), seq.output_token_ids, seq.draft_token_ids)
 
-    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+    def _append(self, seq: Sequence, token_id: int, logprob) -> None:
         completion = self.requests[seq.request_id].completions[seq.index]
         params = seq.params
         seq.token_ids.append(token_id)
@@ -213,6 +267,9 @@ class LLMEngine:
             if finished:
                 del self.requests[request_id]
             seqs = [c.seq for c in request.completions]
+            spec = SpecCounts()
+            for seq in seqs:
+                spec.record_counts(seq.spec)
             outputs.append(
                 RequestOutput(
                     request_id=request_id,
@@ -221,6 +278,7 @@ class LLMEngine:
                     num_output_tokens=sum(s.num_output_tokens for s in seqs),
                     num_cached_tokens=seqs[0].num_cached_prefix_tokens,
                     finished=finished,
+                    spec=spec,
                 )
             )
         self._touched.clear()

@@ -35,7 +35,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward every scheduled token; return logits of the sampling rows: [num_sampling, vocab] fp32."""
+        """Forward every scheduled token; return the logits of every deciding row: [R, vocab] fp32,
+        R = Σ (num_draft + 1) over the sequences that decide tokens this step, in scheduled order."""
         input_ids, batch, sample_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, self.kv_pools, batch)  # [T, hidden]
         self.num_forwards += 1
@@ -50,13 +51,14 @@ class ModelRunner:
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             first = len(tokens)
+            num_real = item.num_tokens - item.num_draft
+            tokens += seq.token_ids[start : start + num_real] + seq.draft_token_ids[: item.num_draft]
             for pos in range(start, start + item.num_tokens):
-                tokens.append(seq.token_ids[pos])
                 positions.append(pos)
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
             spans.append((first, item.num_tokens, item))
             if item.samples:
-                sample_rows.append(len(tokens) - 1)
+                sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
         short = [s for s in spans if s[1] <= SHORT_QUERY_TOKENS]
         groups = [self._group(short)] if short else []
         groups += [self._group([s]) for s in spans if s[1] > SHORT_QUERY_TOKENS]

@@ -1,14 +1,13 @@
-"""Turn the target's logits into next tokens, per request's sampling parameters.
+"""Logits → the distribution each request samples from, and the target's logprobs.
 
-Order, as in vLLM: logprobs are taken from the *raw* logits (what the model believes), then
-frequency/presence penalties, temperature, top-k and top-p shape the distribution that is
-sampled. Sampling draws one exponential race per row from the sequence's own generator
-(``argmax(p / E)`` with ``E ~ Exp(1)`` is a sample of ``p``), so a seeded request produces the
-same tokens whatever batch it shares a step with.
+Order, as in vLLM: logprobs come from the *raw* logits (what the model believes); frequency
+and presence penalties, then temperature, top-k and top-p shape the distribution that is
+sampled. A sequence scores ``k + 1`` rows in a step (its pending token and ``k`` draft tokens);
+row ``j`` predicts the token after ``drafts[:j]``, so its penalties count those drafts too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,29 +16,43 @@ from specdecode.runtime.engine.sequence import SamplingParams, TokenLogprob
 
 @dataclass
 class SamplerRow:
+    """One sequence's rows in a step's logits."""
+
     params: SamplingParams
-    output_token_ids: list[int]  # tokens generated so far (for penalties)
-    generator: torch.Generator | None  # None for greedy rows
+    seed: int  # position-keyed randomness (rng.py); unused by greedy rows
+    first_position: int  # absolute position of the first token this step decides
+    output_token_ids: list[int]  # generated so far (for penalties)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_token_ids) + 1
 
 
 def apply_penalties(
-    logits: torch.Tensor,  # [N, V] fp32, modified in place
+    logits: torch.Tensor,  # [R, V] fp32 (R = Σ num_rows), modified in place
     rows: list[SamplerRow],
 ) -> None:
-    for i, row in enumerate(rows):
+    start = 0
+    for row in rows:
         p = row.params
-        if not p.has_penalties or not row.output_token_ids:
-            continue
-        ids = torch.tensor(row.output_token_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.has_penalties:
+            history = row.output_token_ids + row.draft_token_ids
+            base = len(row.output_token_ids)
+            for j in range(row.num_rows):
+                seen = history[: base + j]
+                if seen:
+                    counts = torch.bincount(torch.tensor(seen, device=logits.device), minlength=logits.shape[1])
+                    counts = counts.to(logits.dtype)
+                    logits[start + j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        start += row.num_rows
 
 
-def top_k_top_p_mask(
-    logits: torch.Tensor,  # [N, V] fp32, temperature applied; modified in place
+def top_k_top_p_filter(
+    logits: torch.Tensor,  # [N, V] fp32, temperature applied
     top_k: torch.Tensor,  # [N] long, 0 = off
     top_p: torch.Tensor,  # [N] fp32, 1 = off
-) -> torch.Tensor:
+) -> torch.Tensor:  # [N, V] with filtered-out entries at -inf
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
     ranks = torch.arange(vocab, device=logits.device)
@@ -49,51 +62,37 @@ def top_k_top_p_mask(
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
     drop |= mass_before >= top_p[:, None]
     drop[:, 0] = False  # the best token always survives
-    return logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(
-    logits: torch.Tensor,  # [N, V] fp32 (raw target logits)
-    rows: list[SamplerRow],
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-    logits = logits.clone()
-    apply_penalties(logits, rows)
-    tokens = logits.argmax(dim=-1)  # greedy rows keep these
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        temps = torch.tensor([rows[i].params.temperature for i in sampled], device=logits.device)
-        scaled = logits[idx] / temps[:, None]
-        top_k = torch.tensor([max(rows[i].params.top_k, 0) for i in sampled], device=logits.device)
-        top_p = torch.tensor([rows[i].params.top_p for i in sampled], device=logits.device)
-        probs = top_k_top_p_mask(scaled, top_k, top_p).softmax(dim=-1)
-        races = torch.stack(
-            [torch.empty(logits.shape[1], device=logits.device).exponential_(generator=rows[i].generator) for i in sampled]
-        )  # [S, V]
-        tokens[idx] = (probs / races).argmax(dim=-1)
-    token_list = tokens.tolist()
-    return token_list, gather_logprobs(raw_logprobs, token_list, rows)
+def sampling_probs(
+    logits: torch.Tensor,  # [N, V] fp32 after penalties
+    params: list[SamplingParams],  # one per row
+) -> torch.Tensor:  # [N, V] fp32
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = torch.tensor([max(p.top_k, 0) for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    return top_k_top_p_filter(logits / temps[:, None], top_k, top_p).softmax(dim=-1)
 
 
 def gather_logprobs(
-    raw_logprobs: torch.Tensor | None,  # [N, V] or None when no row asked
+    raw_logprobs: torch.Tensor,  # [R, V]
+    row_index: list[int],  # which row of raw_logprobs scored each emitted token
     token_ids: list[int],
-    rows: list[SamplerRow],
-) -> list[TokenLogprob | None]:
-    if raw_logprobs is None:
-        return [None] * len(rows)
-    max_top = max(r.params.logprobs or 0 for r in rows)
-    chosen = raw_logprobs.gather(1, torch.tensor(token_ids, device=raw_logprobs.device)[:, None])[:, 0].tolist()
-    top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
-    top_vals = top_vals.tolist() if max_top else None
-    top_ids = top_ids.tolist() if max_top else None
-    out: list[TokenLogprob | None] = []
-    for i, row in enumerate(rows):
-        n = row.params.logprobs
-        if n is None:
-            out.append(None)
-            continue
-        top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
-        out.append(TokenLogprob(token_ids[i], chosen[i], top))
-    return out
+    num_top: list[int],
+) -> list[TokenLogprob]:
+    """The emitted tokens' logprobs and the top alternatives: only the requested columns move."""
+    if not row_index:
+        return []
+    idx = torch.tensor(row_index, device=raw_logprobs.device)
+    chosen_rows = raw_logprobs.index_select(0, idx)
+    chosen = chosen_rows.gather(1, torch.tensor(token_ids, device=idx.device)[:, None])[:, 0].tolist()
+    width = max(num_top)
+    top_vals, top_ids = (chosen_rows.topk(width, dim=-1) if width else (None, None))
+    top_vals = top_vals.tolist() if width else []
+    top_ids = top_ids.tolist() if width else []
+    return [
+        TokenLogprob(t, c, list(zip(top_ids[i][:n], top_vals[i][:n])) if n else [])
+        for i, (t, c, n) in enumerate(zip(token_ids, chosen, num_top))
+    ]

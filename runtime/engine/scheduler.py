@@ -20,12 +20,13 @@ from specdecode.runtime.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    num_tokens: int  # tokens computed this step from seq.num_computed_tokens on, drafts included
+    num_draft: int = 0  # the last num_draft of them are seq.draft_token_ids[:num_draft]
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        """Whether this step reaches the end of the known tokens, so next tokens are decided."""
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq)
 
 
 class Scheduler:
@@ -52,10 +53,11 @@ class Scheduler:
             num = min(len(seq) - seq.num_computed_tokens, budget)
             if num <= 0:
                 continue
-            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num):
+            num_draft = min(len(seq.draft_token_ids), budget - num) if num == len(seq) - seq.num_computed_tokens else 0
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num + num_draft):
                 continue
-            scheduled.append(ScheduledSeq(seq, num))
-            budget -= num
+            scheduled.append(ScheduledSeq(seq, num + num_draft, num_draft))
+            budget -= num + num_draft
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.blocks.match_prefix(seq.token_ids)

@@ -25,6 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N ≥ 0 = chosen token's logprob + N top alternatives
     n: int = 1
+    num_speculative_tokens: int | None = None  # per-request cap on draft tokens (0 = no speculation)
 
     def __post_init__(self) -> None:
         checks = {
@@ -36,6 +37,7 @@ class SamplingParams:
             "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= 20,
             "n": 1 <= self.n <= 16,
+            "num_speculative_tokens": self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -72,6 +74,37 @@ class TokenLogprob:
 
 
 @dataclass
+class SpecCounts:
+    """Speculation outcome of one completion (or a whole server, summed)."""
+
+    num_drafts: int = 0  # steps that scored at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i] = drafts accepted at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def record_counts(self, other: "SpecCounts") -> None:
+        """Add another tally into this one."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, n in enumerate(other.accepted_per_position):
+            if i == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += n
+
+
+@dataclass
 class Sequence:
     """One completion being generated. ``num_computed_tokens`` have K/V in the cache."""
 
@@ -82,6 +115,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float
+    seed: int = 0  # keys this completion's random draws (rng.py)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -89,6 +123,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -128,3 +164,4 @@ class RequestOutput:
     num_output_tokens: int  # total so far, summed over completions
     num_cached_tokens: int
     finished: bool
+    spec: SpecCounts = field(default_factory=SpecCounts)  # summed over the request's completions

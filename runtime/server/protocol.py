@@ -62,6 +62,12 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class SpeculativeOptions(_Request):
+    """Per-request speculation control (0 turns it off for this request)."""
+
+    num_speculative_tokens: int = Field(ge=0, le=16)
+
+
 class _GenerationRequest(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -79,6 +85,7 @@ class _GenerationRequest(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -126,6 +133,7 @@ class _GenerationRequest(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs,
             n=self.n,
+            num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None,
         )
 
 
@@ -169,11 +177,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class SpeculativeUsage(BaseModel):
+    """This request's speculation: drafts scored, draft tokens accepted, and how many were
+    accepted at each draft position (position 0 first)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float | None  # accepted / draft tokens; None without drafts
+    accepted_per_position: list[int]
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    speculative: SpeculativeUsage | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -40,6 +40,7 @@ from specdecode.runtime.server.protocol import (
     CompletionStreamChoice,
     DeltaMessage,
     PromptTokensDetails,
+    SpeculativeUsage,
     UsageInfo,
 )
 
@@ -107,6 +108,13 @@ class _Run:
             completion_tokens=out.num_output_tokens,
             total_tokens=out.num_prompt_tokens + out.num_output_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+            speculative=SpeculativeUsage(
+                num_drafts=out.spec.num_drafts,
+                num_draft_tokens=out.spec.num_draft_tokens,
+                num_accepted_tokens=out.spec.num_accepted_tokens,
+                acceptance_rate=out.spec.num_accepted_tokens / out.spec.num_draft_tokens if out.spec.num_draft_tokens else None,
+                accepted_per_position=out.spec.accepted_per_position,
+            ),
         )
 
 

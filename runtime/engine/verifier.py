@@ -1,0 +1,119 @@
+"""Decide each sequence's emitted tokens for a step: verify its drafts, then recover or add a bonus.
+
+Terms (as in ``specdecode.kernels.verify``): *draft tokens* are proposed; *accepted tokens* are
+the drafts the target agrees with, in order; at the first rejected position the target's
+*recovered token* replaces the draft, and when all drafts are accepted a *bonus token* is
+sampled from the row after them. A sequence without drafts is the plain case: it emits one
+token from its only row, so sampling without speculation is verification of zero drafts.
+
+Greedy requests (temperature 0) always verify by argmax. Sampled requests use the configured
+strategy; ``greedy`` as a strategy means ``target_match`` for them, its lossless sampled analogue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.kernels import PLACEHOLDER_TOKEN_ID
+from specdecode.kernels.verify import (
+    greedy_verify,
+    rejection_verify,
+    target_match_verify,
+    topp_verify,
+)
+from specdecode.runtime.config import VerifyStrategy
+from specdecode.runtime.engine import rng
+from specdecode.runtime.engine.sampler import SamplerRow, apply_penalties, gather_logprobs, sampling_probs
+from specdecode.runtime.engine.sequence import TokenLogprob
+
+
+@dataclass
+class Verdict:
+    token_ids: list[int]  # accepted drafts, then the recovered or bonus token
+    num_accepted: int
+    logprobs: list[TokenLogprob]  # one per emitted token when the request asked, else empty
+
+
+class Verifier:
+    def __init__(self, strategy: VerifyStrategy, verify_top_p: float):
+        self.strategy = VerifyStrategy.TARGET_MATCH if strategy is VerifyStrategy.GREEDY else strategy
+        self.verify_top_p = verify_top_p
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [R, V] fp32 raw target logits, R = Σ row.num_rows in row order
+        rows: list[SamplerRow],
+    ) -> list[Verdict]:
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + r.num_rows)
+        width = max(r.num_rows for r in rows)  # K + 1
+        out: list[list[int]] = [[] for _ in rows]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            self._verify_greedy(logits, rows, starts, width, greedy, out)
+        if sampled:
+            self._verify_sampled(logits, rows, starts, width, sampled, out)
+        return [self._verdict(r, tokens, starts[i], raw_logprobs) for i, (r, tokens) in enumerate(zip(rows, out))]
+
+    def _verify_greedy(self, logits, rows, starts, width, which, out) -> None:
+        pad = self._pad_index(rows, starts, width, which, logits.device)  # [G, K+1]
+        argmax = logits.argmax(dim=-1)[pad]  # [G, K+1]
+        drafts, num_drafts = self._drafts(rows, width, which, logits.device)
+        self._scatter(greedy_verify(drafts, num_drafts, argmax), which, out)
+
+    def _verify_sampled(self, logits, rows, starts, width, which, out) -> None:
+        dev = logits.device
+        pad = self._pad_index(rows, starts, width, which, dev)  # [S, K+1]
+        flat = pad.view(-1)
+        params = [rows[i].params for i in which for _ in range(width)]
+        probs = sampling_probs(logits.index_select(0, flat), params).view(len(which), width, -1)  # [S, K+1, V]
+        drafts, num_drafts = self._drafts(rows, width, which, dev)
+        sample_u = rng.as_tensor([self._uniforms(rows[i], width, rng.Stream.SAMPLE) for i in which], width, dev)
+        if self.strategy is VerifyStrategy.TARGET_MATCH:
+            result = target_match_verify(drafts, num_drafts, probs, sample_u)
+        elif self.strategy is VerifyStrategy.REJECTION:
+            accept_u = rng.as_tensor([self._uniforms(rows[i], width - 1, rng.Stream.ACCEPT) for i in which], width - 1, dev)
+            result = rejection_verify(drafts, num_drafts, probs, None, accept_u, sample_u)
+        else:
+            top_p = torch.full((len(which),), self.verify_top_p, device=dev)
+            result = topp_verify(drafts, num_drafts, probs, top_p, sample_u)
+        self._scatter(result, which, out)
+
+    @staticmethod
+    def _uniforms(row: SamplerRow, count: int, stream: rng.Stream) -> list[float]:
+        return rng.uniforms(row.seed, row.first_position, count, stream)
+
+    @staticmethod
+    def _pad_index(rows, starts, width, which, device) -> torch.Tensor:  # [len(which), width] long
+        index = [[starts[i] + min(j, rows[i].num_rows - 1) for j in range(width)] for i in which]
+        return torch.tensor(index, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _drafts(rows, width, which, device) -> tuple[torch.Tensor, torch.Tensor]:
+        k = width - 1
+        drafts = [rows[i].draft_token_ids + [PLACEHOLDER_TOKEN_ID] * (k - len(rows[i].draft_token_ids)) for i in which]
+        nums = [len(rows[i].draft_token_ids) for i in which]
+        return (
+            torch.tensor(drafts, dtype=torch.long, device=device).view(len(which), k),  # [B, K]
+            torch.tensor(nums, dtype=torch.long, device=device),  # [B]
+        )
+
+    @staticmethod
+    def _scatter(result: torch.Tensor, which: list[int], out: list[list[int]]) -> None:
+        for i, tokens in zip(which, result.tolist()):  # result: [B, K+1]
+            out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+
+    @staticmethod
+    def _verdict(row: SamplerRow, tokens: list[int], start: int, raw_logprobs) -> Verdict:
+        logprobs = []
+        if row.params.logprobs is not None:
+            n = row.params.logprobs
+            logprobs = gather_logprobs(raw_logprobs, [start + j for j in range(len(tokens))], tokens, [n] * len(tokens))
+        return Verdict(tokens, len(tokens) - 1, logprobs)

@@ -1,0 +1,27 @@
+"""Draft-token proposers, one file per method, behind the ``Proposer`` interface."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from specdecode.runtime.config import SpeculativeConfig, SpeculativeMethod
+from specdecode.runtime.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+        """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``."""
+        ...
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended (proposers that learn from outputs keep what they need)."""
+        ...
+
+
+def build_proposer(cfg: SpeculativeConfig, device) -> Proposer | None:
+    if cfg.method is SpeculativeMethod.NONE:
+        return None
+    if cfg.method is SpeculativeMethod.NGRAM:
+        from specdecode.runtime.proposers.ngram import NgramProposer
+
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens, device)
+    raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")
