@@ -535,3 +535,32 @@ def test_smollm2_chat_is_coherent_english(smollm2_engine):
     assert "Paris" in text, text
     words = text.split()
     assert len(words) >= 3 and sum(w.strip(".,!?'\"").isalpha() for w in words) >= 0.8 * len(words), text
+
+
+# ------------------------------------------------------------------------------- speculation
+
+
+def test_speculation_usage_override_and_metrics(sharp, make_engine):
+    model, tok = sharp  # a random model whose greedy output soon repeats itself: n-grams match
+    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3})
+    spec_engine = AsyncEngine(engine, "tiny", max_waiting_requests=8)
+    spec_engine.start()
+    body = {"model": "tiny", "prompt": "hello hello hello", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    try:
+        with serve(spec_engine) as url:
+            on = post(url, "/v1/completions", body).json()["usage"]["speculative"]
+            off = post(url, "/v1/completions", {**body, "speculative": {"num_speculative_tokens": 0}}).json()
+            bad = post(url, "/v1/completions", {**body, "speculative": {"num_speculative_tokens": 99}})
+            m = scrape(url)
+    finally:
+        spec_engine.shutdown()
+    assert on["num_draft_tokens"] > 0 and on["num_drafts"] > 0
+    assert on["num_accepted_tokens"] == sum(on["accepted_per_position"])
+    assert off["usage"]["speculative"]["num_draft_tokens"] == 0
+    assert bad.status_code == 400 and "num_speculative_tokens" in bad.json()["error"]["param"]
+    assert m[("specdecode:spec_decode_num_draft_tokens_total", ())] == on["num_draft_tokens"]
+    assert m[("specdecode:spec_decode_num_accepted_tokens_total", ())] == on["num_accepted_tokens"]
+    assert m[("specdecode:spec_decode_num_drafts_total", ())] == on["num_drafts"]
+    assert m[("specdecode:spec_decode_enabled", ())] == 1
+    for position, count in enumerate(on["accepted_per_position"]):
+        assert m[("specdecode:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(position)),))] == count
