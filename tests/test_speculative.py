@@ -143,3 +143,20 @@ def test_verifier_first_token_distribution(strategy):
         assert p < 1e-6  # lossy, as documented: it accepts the runner-up whenever it is drafted
     else:
         assert p > 1e-3
+
+
+def test_rejection_with_draft_model_distributions_keeps_the_target_distribution():
+    """Drafts sampled from a dense q (as a draft model proposes): the first token still follows p."""
+    torch.manual_seed(1)
+    vocab, n = 8, 6000
+    logits = torch.randn(3, vocab) * 1.5
+    q = (torch.randn(2, vocab) * 1.5).softmax(-1)  # [K, V] the draft model's distributions
+    drafts = torch.multinomial(q[0], n, replacement=True)  # first draft ~ q[0], one per request
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    rows = [SamplerRow(params, seed, 10, [], [int(drafts[seed]), 3], q) for seed in range(n)]
+    verdicts = Verifier(VerifyStrategy.REJECTION, verify_top_p=0.9)(logits.repeat(n, 1), rows)
+    counts = torch.bincount(torch.tensor([v.token_ids[0] for v in verdicts]), minlength=vocab).float()
+    assert chi_square_p_value(counts, logits[0].softmax(-1)) > 1e-3
+    accepted_first = sum(v.num_accepted > 0 for v in verdicts) / n
+    expected = float(torch.minimum(q[0], logits[0].softmax(-1)).sum())  # P(accept) = Σ min(p, q)
+    assert abs(accepted_first - expected) < 0.03

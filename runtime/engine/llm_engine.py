@@ -145,13 +145,15 @@ class LLMEngine:
         deciding = [item for item in scheduled if item.samples]
         for item in scheduled:
             item.seq.draft_token_ids = item.seq.draft_token_ids[: item.num_draft]
+            if item.seq.draft_probs is not None:
+                item.seq.draft_probs = item.seq.draft_probs[: item.num_draft]
             item.seq.num_computed_tokens += item.num_tokens - item.num_draft
         if deciding:
             verdicts = self.verifier(logits, [self._sampler_row(item.seq) for item in deciding])
             for item, verdict in zip(deciding, verdicts):
                 self._accept(item, verdict)
         for item in scheduled:
-            item.seq.draft_token_ids = []
+            item.seq.draft_token_ids, item.seq.draft_probs = [], None
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
         return self._collect_outputs()
@@ -167,9 +169,10 @@ class LLMEngine:
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
         if not chosen:
             return
-        drafts = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
-        for (seq, _), tokens in zip(chosen, drafts):
+        proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
+        for i, ((seq, _), tokens) in enumerate(zip(chosen, proposal.token_ids)):
             seq.draft_token_ids = tokens
+            seq.draft_probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]
 
     def _draft_cap(self, seq: Sequence, k: int) -> int:
         """Drafts worth scoring: never past max_tokens or the context (one slot stays for the bonus)."""
@@ -229,7 +232,7 @@ class LLMEngine:
             )
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        return SamplerRow(seq.params, seq.seed, len(seq), seq.output_token_ids, seq.draft_token_ids)
+        return SamplerRow(seq.params, seq.seed, len(seq), seq.output_token_ids, seq.draft_token_ids, seq.draft_probs)
 
     def _append(self, seq: Sequence, token_id: int, logprob) -> None:
         completion = self.requests[seq.request_id].completions[seq.index]

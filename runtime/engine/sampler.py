@@ -23,6 +23,7 @@ class SamplerRow:
     first_position: int  # absolute position of the first token this step decides
     output_token_ids: list[int]  # generated so far (for penalties)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None = one-hot drafts
 
     @property
     def num_rows(self) -> int:

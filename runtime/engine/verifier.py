@@ -80,11 +80,23 @@ class Verifier:
             result = target_match_verify(drafts, num_drafts, probs, sample_u)
         elif self.strategy is VerifyStrategy.REJECTION:
             accept_u = rng.as_tensor([self._uniforms(rows[i], width - 1, rng.Stream.ACCEPT) for i in which], width - 1, dev)
-            result = rejection_verify(drafts, num_drafts, probs, None, accept_u, sample_u)
+            result = rejection_verify(drafts, num_drafts, probs, self._draft_probs(rows, which, probs), accept_u, sample_u)
         else:
             top_p = torch.full((len(which),), self.verify_top_p, device=dev)
             result = topp_verify(drafts, num_drafts, probs, top_p, sample_u)
         self._scatter(result, which, out)
+
+    @staticmethod
+    def _draft_probs(rows, which, probs: torch.Tensor) -> torch.Tensor | None:
+        """[S, K, V] draft distributions padded with zeros, or None when every draft is one-hot."""
+        if all(rows[i].draft_probs is None for i in which):
+            return None
+        s, width, vocab = probs.shape
+        q = probs.new_zeros(s, width - 1, vocab)
+        for b, i in enumerate(which):
+            if rows[i].draft_probs is not None:
+                q[b, : rows[i].draft_probs.shape[0]] = rows[i].draft_probs
+        return q
 
     @staticmethod
     def _uniforms(row: SamplerRow, count: int, stream: rng.Stream) -> list[float]:

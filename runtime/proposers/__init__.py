@@ -1,14 +1,25 @@
 """Draft-token proposers, one file per method, behind the ``Proposer`` interface."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from specdecode.runtime.config import SpeculativeConfig, SpeculativeMethod
 from specdecode.runtime.engine.sequence import Sequence
 
 
+@dataclass
+class Proposal:
+    token_ids: list[list[int]]  # per sequence, at most its max_drafts
+    # Draft distributions for rejection sampling: [B, K, V] fp32 with K = max drafts in the batch
+    # (rows past a sequence's own drafts are ignored). None = one-hot (n-gram, suffix).
+    probs: torch.Tensor | None = None
+
+
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``."""
         ...
 

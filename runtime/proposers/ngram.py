@@ -10,6 +10,7 @@ import torch
 from specdecode.kernels.ngram import ngram_propose
 from specdecode.kernels import PLACEHOLDER_TOKEN_ID
 from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.proposers import Proposal
 
 
 class NgramProposer:
@@ -17,7 +18,7 @@ class NgramProposer:
         self.min_n, self.max_n, self.k = min_n, max_n, k
         self.device = device
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         longest = max(len(s) for s in seqs)
         tokens = torch.full((len(seqs), longest), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, L]
         for i, s in enumerate(seqs):
@@ -25,7 +26,7 @@ class NgramProposer:
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [B]
         k = max(max_drafts)
         drafts, counts = ngram_propose(tokens.to(self.device), lengths.to(self.device), self.min_n, self.max_n, k)
-        return [row[: min(n, cap)] for row, n, cap in zip(drafts.tolist(), counts.tolist(), max_drafts)]
+        return Proposal([row[: min(n, cap)] for row, n, cap in zip(drafts.tolist(), counts.tolist(), max_drafts)])
 
     def finished(self, seq: Sequence) -> None:
         pass
