@@ -81,7 +81,19 @@ class SpeculativeConfig(Shared):
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="ngram: shortest suffix n-gram matched")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix n-gram matched")
     draft_model: str | None = Field(None, description="draft: GGUF file, HF folder or alias")
+    draft_kv_cache_blocks: int | None = Field(
+        None, ge=2, description="draft: blocks (of the target's block size) in the draft model's own KV pool; default = the target pool's count"
+    )
     verify_top_p: float = Field(0.9, gt=0.0, le=1.0, description="topp: a draft inside this much target mass is accepted")
+    suffix_max_depth: int = Field(
+        24, ge=2, le=256, description="suffix: longest substring indexed (matched context + drafts); bounds memory per token"
+    )
+    suffix_max_cached_requests: int = Field(
+        1000, ge=0, description="suffix: finished outputs kept in the global cache, oldest evicted first; 0 = no global cache"
+    )
+    suffix_min_token_prob: float = Field(
+        0.1, ge=0.0, le=1.0, description="suffix: a draft stops where the product of its tokens' empirical probabilities falls below this"
+    )
     load_control: LoadControl = LoadControl()
     gates: tuple[str, ...] = ()
 
@@ -91,10 +103,15 @@ class SpeculativeConfig(Shared):
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.method is SpeculativeMethod.SUFFIX and self.suffix_max_depth <= self.num_speculative_tokens:
+            raise ValueError(
+                f"suffix_max_depth ({self.suffix_max_depth}) must exceed num_speculative_tokens "
+                f"({self.num_speculative_tokens}): a draft and at least one matched token must fit under it"
+            )
         if self.method is SpeculativeMethod.DRAFT and not self.draft_model:
             raise ValueError("method 'draft' needs draft_model (a GGUF file, HF folder or alias)")
-        if self.draft_model and self.method is not SpeculativeMethod.DRAFT:
-            raise ValueError(f"draft_model is only used by method 'draft', not {self.method.value!r}")
+        if (self.draft_model or self.draft_kv_cache_blocks) and self.method is not SpeculativeMethod.DRAFT:
+            raise ValueError(f"draft_model and draft_kv_cache_blocks are only used by method 'draft', not {self.method.value!r}")
         unknown = sorted(set(self.gates) - KNOWN_GATES)
         if unknown:
             raise ValueError(f"unknown gates {unknown}; known: {sorted(KNOWN_GATES)}")

@@ -353,3 +353,21 @@ def make_engine():
 @pytest.fixture(scope="session")
 def run_all():
     return _run_all
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Upper-tail p-value of Pearson's statistic over the bins with nonzero probability
+    (Wilson–Hilferty approximation of the chi-square CDF)."""
+    import math
+
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="session")
+def chi_square_p_value():
+    return _chi_square_p_value

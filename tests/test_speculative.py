@@ -112,19 +112,8 @@ def test_per_request_override_turns_speculation_off(sharp, make_engine):
     assert final["on"].spec.num_draft_tokens > 0
 
 
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Upper-tail p-value of Pearson's statistic (Wilson–Hilferty approximation of the chi-square CDF)."""
-    n = counts.sum()
-    keep = probs > 0
-    expected = probs[keep] * n
-    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 @pytest.mark.parametrize("strategy", ["target_match", "rejection", "topp"])
-def test_verifier_first_token_distribution(strategy):
+def test_verifier_first_token_distribution(strategy, chi_square_p_value):
     """Many independent seeds, one step each: the first emitted token must follow the target's
     sampling distribution for lossless strategies (drafts are a fixed, often-wrong guess)."""
     torch.manual_seed(0)
@@ -145,7 +134,7 @@ def test_verifier_first_token_distribution(strategy):
         assert p > 1e-3
 
 
-def test_rejection_with_draft_model_distributions_keeps_the_target_distribution():
+def test_rejection_with_draft_model_distributions_keeps_the_target_distribution(chi_square_p_value):
     """Drafts sampled from a dense q (as a draft model proposes): the first token still follows p."""
     torch.manual_seed(1)
     vocab, n = 8, 6000

@@ -101,7 +101,10 @@ class LLMEngine:
         spec = cfg.speculative
         if spec.enabled and spec.verify is VerifyStrategy.TOPP:
             log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")
-        self.proposer = build_proposer(spec, device)
+        self.proposer = build_proposer(
+            spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
+            weight_cache_dir=cfg.load.weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
+        )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
         self.spec = SpecCounts()
@@ -132,6 +135,8 @@ class LLMEngine:
             if not c.seq.is_finished:
                 c.seq.finish_reason = FinishReason.ABORT
                 self.scheduler.finish(c.seq)
+                if self.proposer is not None:
+                    self.proposer.finished(c.seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -258,6 +263,8 @@ class LLMEngine:
         completion.seq.finish_reason = reason
         completion.stop_reason = stop_reason
         self.scheduler.finish(completion.seq)
+        if self.proposer is not None:
+            self.proposer.finished(completion.seq)
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []

@@ -19,6 +19,7 @@ _MASK = (1 << 64) - 1
 class Stream(IntEnum):
     SAMPLE = 1  # inverse-CDF sampling of an emitted token (plain, recovered or bonus)
     ACCEPT = 2  # rejection sampling's accept test
+    DRAFT = 3  # the draft model's sample of a draft token
 
 
 def _splitmix64(x: int) -> int:

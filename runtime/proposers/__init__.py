@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specdecode.runtime.config import SpeculativeConfig, SpeculativeMethod
 from specdecode.runtime.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdecode.runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -28,11 +32,36 @@ class Proposer(Protocol):
         ...
 
 
-def build_proposer(cfg: SpeculativeConfig, device) -> Proposer | None:
+def build_proposer(
+    cfg: SpeculativeConfig,
+    device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    target_vocab_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    weight_cache_dir: Path | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+) -> Proposer | None:
+    """The configured proposer; ``draft`` also needs the target's dtype, vocabulary size, tokenizer,
+    weight cache and KV block size / pool size (its own pool defaults to the target's count)."""
     if cfg.method is SpeculativeMethod.NONE:
         return None
     if cfg.method is SpeculativeMethod.NGRAM:
         from specdecode.runtime.proposers.ngram import NgramProposer
 
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens, device)
+    if cfg.method is SpeculativeMethod.SUFFIX:
+        from specdecode.runtime.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(cfg.suffix_max_depth, cfg.suffix_max_cached_requests, cfg.suffix_min_token_prob)
+    if cfg.method is SpeculativeMethod.DRAFT:
+        from specdecode.runtime.proposers.draft import DraftProposer
+
+        if target_vocab_size is None or tokenizer is None or num_blocks is None:
+            raise ValueError("method 'draft' needs the target's vocabulary size, tokenizer and KV pool size")
+        return DraftProposer.load(
+            cfg, device, dtype, target_vocab_size=target_vocab_size, tokenizer=tokenizer,
+            weight_cache_dir=weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
+        )
     raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")

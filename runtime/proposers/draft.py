@@ -1,0 +1,182 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer drafts K tokens autoregressively.
+
+The draft keeps its own paged KV cache (its own ``BlockManager`` and ``ModelRunner`` pools) and,
+per sequence, a *draft state*: its block table and the tokens it holds K/V for, by position.
+
+Each step, for the sequences asked for drafts:
+
+1. *Catch up.* The longest prefix of the state's tokens that the sequence still has is
+   *confirmed*; past it, the state is rolled back by position (the K/V of rejected drafts stays in
+   its slots until overwritten: the mask never reads past a query's position). The tokens the
+   draft has not seen are forwarded in one batched call — after a step, the accepted drafts the
+   draft did not feed itself plus the recovered or bonus token (1 or 2 tokens, at most K+1); the
+   whole prompt for a new sequence. Its last row gives draft token 1.
+2. *Draft.* K−1 single-token forwards batched over the sequences, each feeding the previous draft
+   token and giving the next. The last draft token is never fed: the next catch-up feeds it if
+   it was accepted.
+
+So a step forwards at most (K+1)·B + (K−1)·B tokens once prompts are in, never the prefix again.
+
+Draft tokens are the argmax for greedy requests; sampled requests draw from the draft's own
+distribution under the request's temperature / top-k / top-p (``sampling_probs``, penalties not
+applied) with a position-keyed uniform (``rng.Stream.DRAFT``), and those distributions are
+returned so rejection sampling is exact. A sequence that does not fit in the draft pool, or past
+the draft model's context, gets no drafts this step; the step never fails for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.kernels.sampling import inverse_cdf_sample
+from specdecode.runtime.config import Device, DType, LoadConfig, SpeculativeConfig
+from specdecode.runtime.engine import rng
+from specdecode.runtime.engine.block_manager import BlockManager
+from specdecode.runtime.engine.model_runner import ModelRunner
+from specdecode.runtime.engine.sampler import sampling_probs
+from specdecode.runtime.engine.scheduler import ScheduledSeq
+from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.models.decoder import DecoderLM
+from specdecode.runtime.models.loader import LoadedModel, load_model
+from specdecode.runtime.proposers import Proposal
+from specdecode.runtime.tokenizer import Tokenizer
+
+_DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16}
+TOKENIZER_SAMPLE = 512  # token strings compared (evenly spaced ids, plus the last ones)
+
+
+@dataclass
+class DraftState:
+    """The draft model's view of one sequence, shaped like a ``Sequence`` for the runner and block manager."""
+
+    token_ids: list[int] = field(default_factory=list)  # the sequence's tokens, then this step's draft tokens
+    num_computed_tokens: int = 0  # leading positions with K/V in the draft pool
+    num_confirmed: int = 0  # leading positions known equal to the sequence's tokens
+    block_table: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # always empty (the runner's draft slot)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftProposer:
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.device = device
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        self.states: dict[int, DraftState] = {}  # by seq_id
+
+    @classmethod
+    def load(
+        cls,
+        cfg: SpeculativeConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        target_vocab_size: int,
+        tokenizer: Tokenizer,
+        weight_cache_dir: Path | None,
+        block_size: int,
+        num_blocks: int,
+    ) -> "DraftProposer":
+        """Load ``cfg.draft_model`` on the target's device in its dtype; refuse one that does not share its tokenizer."""
+        load = LoadConfig(
+            model=cfg.draft_model, device=Device(device.type), dtype=_DTYPES[dtype], weight_cache_dir=weight_cache_dir
+        )
+        loaded = load_model(load)
+        check_same_tokenizer(loaded, target_vocab_size, tokenizer)
+        return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype)
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+        ks = [self._catch_up(seq, cap) for seq, cap in zip(seqs, max_drafts)]  # 0 = no drafts this step
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not any(ks):
+            return Proposal(drafts)
+        sampled = any(k and not seq.params.greedy for seq, k in zip(seqs, ks))
+        vocab = self.model.config.vocab_size
+        probs = torch.zeros(len(seqs), max(ks), vocab, device=self.device) if sampled else None  # [B, K, V]
+        for j in range(max(ks)):
+            rows = [i for i, k in enumerate(ks) if k > j]
+            states = [self.states[seqs[i].seq_id] for i in rows]
+            scheduled = [ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states]
+            logits = self.runner.execute(scheduled)  # [len(rows), V]: each state's last row
+            tokens, q = self._choose(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
+            for i, state, token in zip(rows, states, tokens):
+                state.num_computed_tokens = len(state)
+                state.token_ids.append(token)
+                drafts[i].append(token)
+            if q is not None:
+                probs[rows, j] = q
+        return Proposal(drafts, probs)
+
+    def finished(self, seq: Sequence) -> None:
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.blocks.release(state)
+
+    def _catch_up(self, seq: Sequence, cap: int) -> int:
+        """Roll ``seq``'s draft state back to its confirmed tokens and queue the unseen ones;
+        return how many drafts it gets this step (0 when the pool or the draft's context is short)."""
+        k = min(cap, self.model.config.max_position_embeddings + 1 - len(seq))  # feeds positions < len + k - 1
+        if k <= 0:
+            return 0
+        state = self.states.setdefault(seq.seq_id, DraftState())
+        n = min(state.num_confirmed, len(seq) - 1)
+        limit = min(state.num_computed_tokens, len(seq) - 1)  # the last token is always fed: its row drafts
+        while n < limit and state.token_ids[n] == seq.token_ids[n]:
+            n += 1
+        if not self.blocks.grow(state, len(seq) + k - 1):
+            return 0
+        del state.token_ids[n:]
+        state.token_ids += seq.token_ids[n:]
+        state.num_computed_tokens = n
+        state.num_confirmed = len(seq)
+        return k
+
+    def _choose(
+        self, logits: torch.Tensor, seqs: list[Sequence], j: int, want_probs: bool
+    ) -> tuple[list[int], torch.Tensor | None]:  # logits: [N, V] fp32 → N draft tokens, their distributions [N, V]
+        """Draft token ``j`` of each sequence: argmax if greedy (a one-hot distribution), else sampled
+        from the draft's distribution at its position's uniform."""
+        tokens = logits.argmax(dim=-1)  # [N]
+        q = torch.nn.functional.one_hot(tokens, logits.shape[1]).float() if want_probs else None  # [N, V]
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            q_sampled = sampling_probs(logits.index_select(0, index), [seqs[b].params for b in sampled])  # [S, V]
+            u = [rng.uniform(seqs[b].seed, len(seqs[b]) + j, rng.Stream.DRAFT) for b in sampled]
+            tokens[index] = inverse_cdf_sample(q_sampled, torch.tensor(u, dtype=torch.float32, device=logits.device))
+            q[index] = q_sampled
+        return tokens.tolist(), q
+
+
+def check_same_tokenizer(draft: LoadedModel, target_vocab_size: int, tokenizer: Tokenizer) -> None:
+    """Raise ValueError unless the draft's vocabulary size, eos ids and token strings equal the target's."""
+    size = draft.config.vocab_size
+    if size != target_vocab_size:
+        raise ValueError(
+            f"draft model {draft.name!r} has a vocabulary of {size} tokens but the target's has {target_vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
+    theirs, ours = draft.tokenizer, tokenizer
+    if theirs.eos_token_ids != ours.eos_token_ids:
+        raise ValueError(
+            f"draft model {draft.name!r} ends sequences with token ids {sorted(theirs.eos_token_ids)}, "
+            f"the target with {sorted(ours.eos_token_ids)}: a draft model must share the target's tokenizer"
+        )
+    n = min(theirs.vocab_size, ours.vocab_size)
+    ids = sorted(set(range(0, n, max(1, n // TOKENIZER_SAMPLE))) | set(range(max(0, n - 64), n)))
+    for i in ids:
+        if theirs.id_to_token(i) != ours.id_to_token(i):
+            raise ValueError(
+                f"draft model {draft.name!r} spells token {i} {theirs.id_to_token(i)!r}, the target "
+                f"{ours.id_to_token(i)!r}: a draft model must share the target's tokenizer"
+            )
+    if theirs.vocab_size != ours.vocab_size:
+        raise ValueError(
+            f"draft model {draft.name!r}'s tokenizer has {theirs.vocab_size} tokens, the target's {ours.vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
