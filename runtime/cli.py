@@ -158,9 +158,42 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- validate / render (the operator's pure core; torch-free) -----------------------------------
+
+
+def _add_validate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="YAML with SpecDecodeDeployment documents ('-' = stdin)")
+    parser.add_argument("--old", metavar="FILE", default=None,
+                        help="the stored resources: check FILE as an update of them (immutable fields)")
+    parser.add_argument("-o", "--output", choices=["text", "json"], default="text",
+                        help="text, or the AdmissionReview responses as JSON")
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from specdecode.operator.commands import validate
+
+    return validate(args.file, old_path=args.old, output=args.output)
+
+
+def _add_render(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="YAML with SpecDecodeDeployment documents ('-' = stdin)")
+    parser.add_argument("--replicas", type=int, default=None, help="render this many replicas (default: spec.replicas)")
+    parser.add_argument("--leader-worker-set", action="store_true",
+                        help="the cluster serves LeaderWorkerSet: use it for multi-pod replicas")
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    from specdecode.operator.commands import render_command
+
+    return render_command(args.file, replicas=args.replicas, leader_worker_set=args.leader_worker_set)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", _add_serve, _run_serve),
     Subcommand("generate", "generate one completion and print it", _add_generate, _run_generate),
+    Subcommand("validate", "check SpecDecodeDeployments as admission would (exit 1 on refusal)", _add_validate,
+               _run_validate),
+    Subcommand("render", "print the Kubernetes objects the operator would create", _add_render, _run_render),
 ]
 
 

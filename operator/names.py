@@ -1,0 +1,110 @@
+"""Every name the operator spells more than once: the API, label keys, object names, env names.
+
+One helper per name, so that the builders, the handlers and the tests can never disagree on it.
+"""
+from __future__ import annotations
+
+GROUP = "specdecode.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "SpecDecodeDeployment"
+PLURAL = "specdecodedeployments"
+SINGULAR = "specdecodedeployment"
+SHORT_NAMES = ("sdd",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# -- label keys ---------------------------------------------------------------------------------
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_REVISION = f"{GROUP}/revision"
+LABEL_GROUP = f"{GROUP}/group"  # the replica (parallel group) index of a multi-pod layout
+LABEL_STS_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (1.28+)
+LABEL_LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LeaderWorkerSet
+
+APP = "specdecode"
+MANAGER = "specdecode-operator"
+COMPONENT_RUNTIME = "runtime"  # workloads and their pods
+COMPONENT_API = "api"  # the traffic Service
+COMPONENT_RENDEZVOUS = "rendezvous"  # the headless Service of a multi-pod group
+METRIC_LABEL_REVISION = "revision"  # the label a ServiceMonitor puts on every scraped series
+
+# -- ports, paths, container and volume names ---------------------------------------------------
+CONTAINER = "runtime"
+FETCH_CONTAINER = "fetch-model"
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+RENDEZVOUS_PORT = 29500
+RENDEZVOUS_PORT_NAME = "rendezvous"
+SHM_VOLUME = "dshm"
+MODEL_VOLUME = "model"
+MODEL_MOUNT = "/mnt/models"
+
+# -- env read by `specdecode serve` in a multi-pod group (torchrun's names) ----------------------
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+ENV_NNODES = "NNODES"
+ENV_NODE_RANK = "NODE_RANK"
+ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"  # injected into every pod by LeaderWorkerSet
+
+REVISION_LENGTH = 10
+# A StatefulSet's name is capped at 52 characters (its controller-revision-hash label adds 11):
+# {name}-{revision}-{group} must fit, so the resource name is bounded (see resolve).
+MAX_STATEFULSET_NAME = 52
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels every pod of one SpecDecodeDeployment carries, whatever its revision."""
+    return {LABEL_NAME: APP, LABEL_INSTANCE: name}
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {**selector_labels(name), LABEL_MANAGED_BY: MANAGER}
+
+
+def revision_labels(name: str, revision: str) -> dict[str, str]:
+    return {**selector_labels(name), LABEL_REVISION: revision}
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    """The string form a scale subresource and ``kubectl -l`` use."""
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def prometheus_pod_label(key: str) -> str:
+    """The meta label under which Prometheus' Kubernetes discovery exposes pod label ``key``."""
+    return "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in key)
+
+
+def workload_name(name: str, revision: str) -> str:
+    """The Deployment (single-pod layout) or LeaderWorkerSet of one revision."""
+    return f"{name}-{revision}"
+
+
+def group_name(name: str, revision: str, group: int) -> str:
+    """The StatefulSet and its headless Service for one parallel group (replica) of one revision."""
+    return f"{name}-{revision}-{group}"
+
+
+def leader_address(group: str, namespace: str) -> str:
+    """DNS name of ordinal 0 of a StatefulSet behind its headless Service of the same name."""
+    return f"{group}-0.{group}.{namespace}.svc"
+
+
+def service_name(name: str) -> str:
+    """The one Service for traffic, selecting stable and canary pods."""
+    return name
+
+
+def service_monitor_name(name: str) -> str:
+    return name
+
+
+def pdb_name(name: str) -> str:
+    return name
+
+
+def max_resource_name_length(replicas: int) -> int:
+    """The longest resource name whose StatefulSet names still fit."""
+    return MAX_STATEFULSET_NAME - len(group_name("", "x" * REVISION_LENGTH, max(replicas - 1, 0)))

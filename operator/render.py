@@ -1,0 +1,362 @@
+"""render: a resolved spec → the Kubernetes objects that serve it, as plain dicts.
+
+Pure (no I/O, no owner references: the handler adopts what it applies). Layouts:
+
+- one pod per replica (tensor parallelism inside the pod) → a ``Deployment`` per revision;
+- several pods per replica (pipeline stages, or a stage spread over pods) → per replica a
+  ``StatefulSet`` + headless ``Service`` (ordinal 0 is the leader and rendezvous address), or
+  one ``LeaderWorkerSet`` per revision when the cluster serves that API.
+
+Every pod runs ``specdecode serve`` with the shared speculative config as snake_case JSON; in a
+multi-pod group it also gets torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``NNODES``/``NODE_RANK``
+and the runtime's ``--tensor-parallel-size``/``--pipeline-parallel-size``; every rank serves
+``/health`` and ``/ready``, and the traffic ``Service`` selects only leaders (rank 0 emits).
+
+The revision is a hash of the pod template before anything revision-specific is added, so the
+same spec always has the same revision and any change to what a pod runs makes a new one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from specdecode.operator import names
+from specdecode.operator.resolve import Resolved
+from specdecode.operator.spec import ModelScheme
+
+Obj = dict[str, Any]
+
+# The init container of hf:// models: huggingface_hub ships with tokenizers in the runtime image.
+FETCH_SCRIPT = ("import sys; from huggingface_hub import snapshot_download; "
+                "snapshot_download(sys.argv[1], local_dir=sys.argv[2])")
+
+
+# -- the pod template ---------------------------------------------------------------------------
+
+
+def model_path(r: Resolved) -> str:
+    """What ``--model`` receives inside the pod."""
+    location = r.spec.model.location
+    if location.scheme in (ModelScheme.PVC, ModelScheme.HF):
+        return f"{names.MODEL_MOUNT}/{location.path}"
+    return location.path  # an absolute path (file://) or a packaged alias
+
+
+def speculative_json(r: Resolved) -> str:
+    """``--speculative-config``: snake_case (the runtime's spelling), only what differs from its
+    defaults, so a field added to the runtime later does not change every revision."""
+    return json.dumps(r.spec.speculative.model_dump(mode="json", exclude_defaults=True), separators=(",", ":"))
+
+
+def runtime_args(r: Resolved) -> list[str]:
+    args = [
+        "serve",
+        "--model", model_path(r),
+        "--host", "0.0.0.0",
+        "--port", str(names.HTTP_PORT),
+        "--served-model-name", r.spec.model.served_name or r.name,
+        "--speculative-config", speculative_json(r),
+    ]
+    if r.layout.tensor > 1:
+        args += ["--tensor-parallel-size", str(r.layout.tensor)]
+    if r.layout.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(r.layout.pipeline)]
+    return args + list(r.spec.extra_args)
+
+
+def container_resources(r: Resolved) -> Obj:
+    res = r.spec.resources
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
+    if r.layout.gpus_per_pod:
+        requests[res.gpu_resource_name] = limits[res.gpu_resource_name] = str(r.layout.gpus_per_pod)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _http_probe(path: str, period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": path, "port": names.HTTP_PORT_NAME}, "periodSeconds": period,
+            "timeoutSeconds": min(5, period), "failureThreshold": failures}
+
+
+def startup_failure_threshold(r: Resolved) -> int:
+    """Failed ``/ready`` probes in a row allowed while the model loads."""
+    return math.ceil(r.spec.probes.startup_timeout_seconds / r.spec.probes.period_seconds)
+
+
+def _model_volume(r: Resolved) -> tuple[list[Obj], list[Obj], list[Obj]]:
+    """(volumes, runtime mounts, init containers) that bring the model into the pod."""
+    model = r.spec.model
+    location = model.location
+    mount = {"name": names.MODEL_VOLUME, "mountPath": names.MODEL_MOUNT, "readOnly": True}
+    if location.scheme is ModelScheme.PVC:
+        volume = {"name": names.MODEL_VOLUME,
+                  "persistentVolumeClaim": {"claimName": location.claim, "readOnly": True}}
+        return [volume], [mount], []
+    if location.scheme is ModelScheme.HF:
+        source = ({"persistentVolumeClaim": {"claimName": model.cache_claim}} if model.cache_claim
+                  else {"emptyDir": {}})
+        fetch = {
+            "name": names.FETCH_CONTAINER,
+            "image": r.spec.image,
+            "imagePullPolicy": r.spec.image_pull_policy,
+            "command": ["python", "-c", FETCH_SCRIPT, location.path, model_path(r)],
+            "volumeMounts": [{"name": names.MODEL_VOLUME, "mountPath": names.MODEL_MOUNT}],
+            **({"env": list(r.spec.pod.env)} if r.spec.pod.env else {}),  # HF_TOKEN, HF_ENDPOINT (a mirror)
+        }
+        return [{"name": names.MODEL_VOLUME, **source}], [mount], [fetch]
+    return [], [], []
+
+
+def _group_env(r: Resolved, rank_label: str) -> list[Obj]:
+    """Rendezvous env shared by every pod of a multi-pod group (the address is added per group)."""
+    if r.layout.single_pod:
+        return []
+    return [
+        {"name": names.ENV_MASTER_PORT, "value": str(names.RENDEZVOUS_PORT)},
+        {"name": names.ENV_NNODES, "value": str(r.layout.pods_per_group)},
+        {"name": names.ENV_NODE_RANK,
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{rank_label}']"}}},
+    ]
+
+
+def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
+    """The pod template of ``r`` before any revision- or group-specific field."""
+    spec, pod = r.spec, r.spec.pod
+    volumes, mounts, init = _model_volume(r)
+    ports = [{"name": names.HTTP_PORT_NAME, "containerPort": names.HTTP_PORT, "protocol": "TCP"}]
+    if not r.layout.single_pod:
+        ports.append({"name": names.RENDEZVOUS_PORT_NAME, "containerPort": names.RENDEZVOUS_PORT, "protocol": "TCP"})
+    rank_label = names.LABEL_LWS_WORKER_INDEX if leader_worker_set else names.LABEL_STS_POD_INDEX
+    period, failures = spec.probes.period_seconds, spec.probes.failure_threshold
+    container: Obj = {
+        "name": names.CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["specdecode"],
+        "args": runtime_args(r),
+        "ports": ports,
+        "env": [*_group_env(r, rank_label), *pod.env],
+        "resources": container_resources(r),
+        "volumeMounts": [{"name": names.SHM_VOLUME, "mountPath": "/dev/shm"}, *mounts, *pod.volume_mounts],
+        "startupProbe": _http_probe("/ready", period, startup_failure_threshold(r)),
+        "readinessProbe": _http_probe("/ready", period, failures),
+        "livenessProbe": _http_probe("/health", period, failures),
+    }
+    pod_spec: Obj = {
+        **({"initContainers": init} if init else {}),
+        "containers": [{k: v for k, v in container.items() if v != []}],
+        "volumes": [
+            {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shm_size)}},
+            *volumes,
+            *pod.volumes,
+        ],
+    }
+    optional = {
+        "nodeSelector": dict(pod.node_selector),
+        "tolerations": list(pod.tolerations),
+        "affinity": pod.affinity,
+        "imagePullSecrets": [ref.model_dump() for ref in pod.image_pull_secrets],
+        "serviceAccountName": pod.service_account_name,
+        "priorityClassName": pod.priority_class_name,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
+    metadata: Obj = {"labels": {**pod.labels, **names.selector_labels(r.name),
+                                names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}}
+    if pod.annotations:
+        metadata["annotations"] = dict(pod.annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def revision(r: Resolved, *, leader_worker_set: bool = False) -> str:
+    """Short hash of the pod template: equal specs share it, any change to the pods changes it."""
+    canonical = json.dumps(pod_template(r, leader_worker_set=leader_worker_set), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[: names.REVISION_LENGTH]
+
+
+def _with_revision(template: Obj, labels: dict[str, str], env: tuple[Obj, ...] | list[Obj] = ()) -> Obj:
+    """A copy of ``template`` with ``labels`` added and ``env`` prepended to the runtime container."""
+    out = json.loads(json.dumps(template))
+    out["metadata"]["labels"].update(labels)
+    if env:
+        container = out["spec"]["containers"][0]
+        container["env"] = [*env, *container.get("env", [])]
+    return out
+
+
+def _metadata(r: Resolved, name: str, labels: dict[str, str] | None = None) -> Obj:
+    return {"name": name, "namespace": r.namespace, "labels": {**names.common_labels(r.name), **(labels or {})}}
+
+
+def _workload_metadata(r: Resolved, name: str, labels: dict[str, str]) -> Obj:
+    return _metadata(r, name, {**labels, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME})
+
+
+# -- workloads ----------------------------------------------------------------------------------
+
+
+def build_deployment(r: Resolved, rev: str, replicas: int) -> Obj:
+    labels = names.revision_labels(r.name, rev)
+    rolling = {"maxSurge": r.spec.rollout.max_surge, "maxUnavailable": r.spec.rollout.max_unavailable}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _workload_metadata(r, names.workload_name(r.name, rev), labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "template": _with_revision(pod_template(r), labels),
+        },
+    }
+
+
+def build_group_statefulset(r: Resolved, rev: str, group: int) -> Obj:
+    name = names.group_name(r.name, rev, group)
+    labels = {**names.revision_labels(r.name, rev), names.LABEL_GROUP: str(group)}
+    address = {"name": names.ENV_MASTER_ADDR, "value": names.leader_address(name, r.namespace)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _workload_metadata(r, name, labels),
+        "spec": {
+            "serviceName": name,
+            "replicas": r.layout.pods_per_group,
+            "podManagementPolicy": "Parallel",  # every rank must start for the rendezvous
+            "selector": {"matchLabels": labels},
+            "template": _with_revision(pod_template(r), labels, [address]),
+        },
+    }
+
+
+def build_group_headless_service(r: Resolved, rev: str, group: int) -> Obj:
+    name = names.group_name(r.name, rev, group)
+    labels = {**names.revision_labels(r.name, rev), names.LABEL_GROUP: str(group)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(r, name, {**labels, names.LABEL_COMPONENT: names.COMPONENT_RENDEZVOUS}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # ranks find each other before any is ready
+            "selector": labels,
+            "ports": [{"name": names.RENDEZVOUS_PORT_NAME, "port": names.RENDEZVOUS_PORT,
+                       "targetPort": names.RENDEZVOUS_PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_leader_worker_set(r: Resolved, rev: str, replicas: int) -> Obj:
+    labels = names.revision_labels(r.name, rev)
+    address = {"name": names.ENV_MASTER_ADDR, "value": f"$({names.ENV_LWS_LEADER_ADDRESS})"}
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": _workload_metadata(r, names.workload_name(r.name, rev), labels),
+        "spec": {
+            "replicas": replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": r.layout.pods_per_group,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": _with_revision(pod_template(r, leader_worker_set=True), labels, [address]),
+            },
+        },
+    }
+
+
+def build_workloads(r: Resolved, rev: str, replicas: int, *, leader_worker_set: bool = False) -> list[Obj]:
+    """The workloads running ``replicas`` replicas of revision ``rev``."""
+    if r.layout.single_pod:
+        return [build_deployment(r, rev, replicas)]
+    if leader_worker_set:
+        return [build_leader_worker_set(r, rev, replicas)]
+    objs: list[Obj] = []
+    for group in range(replicas):
+        objs += [build_group_headless_service(r, rev, group), build_group_statefulset(r, rev, group)]
+    return objs
+
+
+# -- objects shared by every revision -----------------------------------------------------------
+
+
+def serving_selector(r: Resolved, *, leader_worker_set: bool = False) -> dict[str, str]:
+    """The pods that take traffic: every revision's, leaders only in multi-pod groups."""
+    selector = names.selector_labels(r.name)
+    if not r.layout.single_pod:
+        leader = names.LABEL_LWS_WORKER_INDEX if leader_worker_set else names.LABEL_STS_POD_INDEX
+        selector[leader] = "0"
+    return selector
+
+
+def build_service(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
+    service = r.spec.service
+    metadata = _metadata(r, names.service_name(r.name), {names.LABEL_COMPONENT: names.COMPONENT_API})
+    if service.annotations:
+        metadata["annotations"] = dict(service.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": service.type,
+            "selector": serving_selector(r, leader_worker_set=leader_worker_set),
+            "ports": [{"name": names.HTTP_PORT_NAME, "port": service.port,
+                       "targetPort": names.HTTP_PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_service_monitor(r: Resolved) -> Obj:
+    """Scrapes the serving pods; the pod's revision label becomes each series' ``revision``."""
+    monitor = r.spec.service_monitor
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(r, names.service_monitor_name(r.name), dict(monitor.labels)),
+        "spec": {
+            "selector": {"matchLabels": {**names.selector_labels(r.name), names.LABEL_COMPONENT: names.COMPONENT_API}},
+            "endpoints": [{
+                "port": names.HTTP_PORT_NAME,
+                "path": "/metrics",
+                "interval": monitor.interval,
+                "relabelings": [{
+                    "action": "replace",
+                    "sourceLabels": [names.prometheus_pod_label(names.LABEL_REVISION)],
+                    "targetLabel": names.METRIC_LABEL_REVISION,
+                }],
+            }],
+        },
+    }
+
+
+def build_pod_disruption_budget(r: Resolved) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(r, names.pdb_name(r.name)),
+        "spec": {
+            "maxUnavailable": r.spec.pod_disruption_budget.max_unavailable,
+            "selector": {"matchLabels": names.selector_labels(r.name)},
+        },
+    }
+
+
+def build_shared(r: Resolved, *, leader_worker_set: bool = False) -> list[Obj]:
+    """The objects every revision shares: the traffic Service, and if asked ServiceMonitor and PDB."""
+    objs = [build_service(r, leader_worker_set=leader_worker_set)]
+    if r.spec.service_monitor.enabled:
+        objs.append(build_service_monitor(r))
+    if r.spec.pod_disruption_budget.enabled:
+        objs.append(build_pod_disruption_budget(r))
+    return objs
+
+
+def render(r: Resolved, *, replicas: int | None = None, leader_worker_set: bool = False) -> list[Obj]:
+    """Everything a fresh resource needs: its revision's workloads at ``replicas`` (default
+    ``spec.replicas``) and the shared objects."""
+    rev = revision(r, leader_worker_set=leader_worker_set)
+    count = r.spec.replicas if replicas is None else replicas
+    return [*build_workloads(r, rev, count, leader_worker_set=leader_worker_set),
+            *build_shared(r, leader_worker_set=leader_worker_set)]

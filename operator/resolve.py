@@ -1,0 +1,346 @@
+"""resolve: a SpecDecodeDeployment as written → the spec the operator renders, or what to change.
+
+Pure (no I/O). The validating webhook answers with ``admission_response(resolve(new, old))``;
+reconcile calls it again, so a spec that slipped past admission gets ``Ready=False,
+reason=InvalidSpec`` with the same messages instead of a crash loop. ``specdecode validate``
+prints the same answer.
+
+Every message starts with the field to change (``spec.resources.gpusPerPod: …``) and says what
+to change it to. Decisions:
+
+- ``mtp`` is refused for now: the runtime has no multi-token-prediction proposer yet. The rule
+  that PP > 1 with ``mtp`` needs the ``mtp-pipeline-parallel`` gate is in place
+  (``mtp_pipeline_rule``) for when the method exists.
+- ``gates`` (top level) are merged into ``speculative.gates``, which the runtime reads.
+- GPUs per pod default to ``parallelism.tensor``: one pod per pipeline stage, so tensor-only
+  layouts are one pod (a Deployment). A divisor of ``tensor`` spreads a stage over several pods;
+  anything else is refused. 0 runs on CPU with the same pod layout.
+- The parallel group (tensor, pipeline, GPUs per pod) is immutable after creation, as in KServe:
+  a running group cannot change its rendezvous shape; create a new resource instead.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from specdecode.operator import names
+from specdecode.operator.spec import (
+    IntOrString,
+    ModelScheme,
+    SpecDecodeDeploymentSpec,
+    in_crd_spelling,
+)
+from specdecode.runtime.config import SpeculativeMethod, VerifyStrategy
+from specdecode.runtime.models.aliases import ALIASES
+
+MTP = "mtp"
+MTP_PIPELINE_GATE = "mtp-pipeline-parallel"
+# Flags the operator renders itself; extraArgs may not set them a second time.
+RENDERED_FLAGS = {
+    "--model": "spec.model.uri",
+    "--host": "the operator (pods listen on all addresses)",
+    "--port": "the operator",
+    "--served-model-name": "spec.model.servedName",
+    "--speculative-config": "spec.speculative",
+    "--tensor-parallel-size": "spec.parallelism.tensor",
+    "--pipeline-parallel-size": "spec.parallelism.pipeline",
+}
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_PERCENT = re.compile(r"^[0-9]+%$")
+_DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+_PATTERN_HINTS = {
+    "uri": "must be pvc://claim/path, file:///path, hf://org/name or the alias of a packaged model "
+    f"({', '.join(sorted(ALIASES))})",
+    "interval": "must be a duration such as 30s, 5m or 1h30m",
+    "window": "must be a duration such as 30s, 5m or 1h30m",
+    "url": "must be an http:// or https:// address",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one replica's parallel group maps onto pods."""
+
+    tensor: int
+    pipeline: int
+    gpus_per_pod: int  # 0 = CPU
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.gpus_per_pod or self.tensor
+
+    @property
+    def pods_per_group(self) -> int:
+        return self.tensor * self.pipeline // self.ranks_per_pod
+
+    @property
+    def single_pod(self) -> bool:
+        return self.pods_per_group == 1
+
+    def describe(self) -> str:
+        return f"tensor={self.tensor}, pipeline={self.pipeline}, gpusPerPod={self.gpus_per_pod}"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A valid spec with every default filled: what render takes."""
+
+    name: str
+    namespace: str
+    spec: SpecDecodeDeploymentSpec
+    layout: Layout
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    resolved: Resolved | None
+    errors: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    name: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return not self.errors
+
+    @property
+    def message(self) -> str:
+        """The refusal as admission and ``Ready=False, reason=InvalidSpec`` state it."""
+        if self.allowed:
+            return ""
+        return f'{names.KIND} "{self.name}" is invalid: ' + "; ".join(self.errors)
+
+
+def admission_response(resolution: Resolution) -> dict[str, Any]:
+    """The ``response`` of an AdmissionReview (without ``uid``) for this resolution."""
+    response: dict[str, Any] = {"allowed": resolution.allowed}
+    if not resolution.allowed:
+        response["status"] = {"code": 422, "reason": "Invalid", "message": resolution.message}
+    if resolution.warnings:
+        response["warnings"] = list(resolution.warnings)
+    return response
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Resolution:
+    """``body`` is the whole custom resource; ``old`` the stored one on update (None on create)."""
+    metadata = body.get("metadata") or {}
+    name, namespace = str(metadata.get("name", "")), str(metadata.get("namespace") or "default")
+    raw = body.get("spec")
+    errors = _identity_errors(body, name)
+    if not isinstance(raw, Mapping):
+        return Resolution(None, (*errors, "spec: required"), name=name)
+    unavailable = _unavailable_methods(raw)
+    errors += unavailable
+    try:
+        # strict and by alias only, as the API server reads it: "2" is no integer, snake_case no field
+        spec = SpecDecodeDeploymentSpec.model_validate_json(
+            json.dumps(raw, default=dict), strict=True, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        said = {e.split(":", 1)[0] for e in unavailable}  # no second message for the same field
+        errors += [e for e in _pydantic_errors(exc) if e.split(":", 1)[0] not in said]
+        return Resolution(None, tuple(errors), name=name)
+
+    layout, layout_errors = _layout(spec)
+    errors += layout_errors
+    errors += _rule_errors(spec, name)
+    if old is not None and layout is not None:
+        errors += _immutable_errors(old, layout)
+    warnings = tuple(_warnings(spec))
+    if errors or layout is None:
+        return Resolution(None, tuple(errors), warnings, name)
+    resolved = Resolved(name, namespace, _filled(spec, layout), layout, warnings)
+    return Resolution(resolved, (), warnings, name)
+
+
+# -- identity and schema ------------------------------------------------------------------------
+
+
+def _identity_errors(body: Mapping[str, Any], name: str) -> list[str]:
+    errors = []
+    if body.get("apiVersion") != names.API_VERSION or body.get("kind") != names.KIND:
+        errors.append(f"apiVersion/kind: must be {names.API_VERSION} {names.KIND}, not "
+                      f"{body.get('apiVersion')} {body.get('kind')}")
+    if not _NAME.match(name):
+        errors.append("metadata.name: must be lowercase letters, digits and '-', starting with a letter "
+                      "(it names the Service)")
+    spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
+    replicas = spec.get("replicas", 1)
+    limit = names.max_resource_name_length(replicas if isinstance(replicas, int) else 1)
+    if len(name) > limit:
+        errors.append(f"metadata.name: at most {limit} characters (the workloads are named "
+                      f"{names.group_name(name, '<revision>', 0)}); shorten it")
+    return errors
+
+
+def _unavailable_methods(raw: Mapping[str, Any]) -> list[str]:
+    speculative = raw.get("speculative")
+    method = speculative.get("method") if isinstance(speculative, Mapping) else None
+    if method == MTP and MTP not in {m.value for m in SpeculativeMethod}:
+        return ["spec.speculative.method: 'mtp' is not available yet (the runtime has no multi-token-prediction "
+                "proposer); use ngram, suffix or draft"]
+    return []
+
+
+def _path(loc: Iterable[Any]) -> str:
+    out = "spec"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _pydantic_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = [part for part in err["loc"] if part not in ("function-after",)]
+        kind, msg = err["type"], err["msg"]
+        if kind == "extra_forbidden":
+            msg = "unknown field; remove it (field names are camelCase)"
+        elif kind == "missing":
+            msg = "required"
+        elif kind == "string_pattern_mismatch":
+            msg = _PATTERN_HINTS.get(str(loc[-1]) if loc else "", msg)
+        elif kind == "value_error":
+            msg = in_crd_spelling(msg.removeprefix("Value error, "))
+        out.append(f"{_path(loc)}: {msg}")
+    return out
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+def _layout(spec: SpecDecodeDeploymentSpec) -> tuple[Layout | None, list[str]]:
+    tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
+    gpus = spec.resources.gpus_per_pod
+    if gpus is None:
+        gpus = tensor
+    if gpus > tensor:
+        return None, [f"spec.resources.gpusPerPod: {gpus} is more than parallelism.tensor ({tensor}); a pod runs at "
+                      f"most one pipeline stage and would hold GPUs it never uses: set gpusPerPod to {tensor} (or "
+                      "leave it unset) or raise parallelism.tensor"]
+    if gpus and tensor % gpus:
+        divisors = [d for d in range(1, tensor + 1) if tensor % d == 0]
+        return None, [f"spec.resources.gpusPerPod: {gpus} does not divide parallelism.tensor ({tensor}); a stage's "
+                      f"tensor-parallel group splits evenly across pods: use one of {divisors}"]
+    return Layout(tensor, pipeline, gpus), []
+
+
+def _raw_layout(body: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(tensor, pipeline, GPUs per pod) of a stored resource, read leniently (it may predate rules)."""
+    spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
+    par = spec.get("parallelism") if isinstance(spec.get("parallelism"), Mapping) else {}
+    res = spec.get("resources") if isinstance(spec.get("resources"), Mapping) else {}
+    tensor, pipeline, gpus = par.get("tensor", 1), par.get("pipeline", 1), res.get("gpusPerPod")
+    if not all(isinstance(v, int) for v in (tensor, pipeline)) or not isinstance(gpus, (int, type(None))):
+        return None
+    return tensor, pipeline, tensor if gpus is None else gpus
+
+
+def _immutable_errors(old: Mapping[str, Any], new: Layout) -> list[str]:
+    before = _raw_layout(old)
+    if before is None or before == (new.tensor, new.pipeline, new.gpus_per_pod):
+        return []
+    was = Layout(*before)
+    return [f"spec.parallelism: the parallel group is immutable after creation (was {was.describe()}; now "
+            f"{new.describe()}): put it back, or create a new {names.KIND} and move traffic to it"]
+
+
+def mtp_pipeline_rule(method: str, pipeline: int, gates: Iterable[str]) -> str | None:
+    """PP > 1 with ``mtp`` is experimental: the draft heads sit on the last stage only."""
+    if method == MTP and pipeline > 1 and MTP_PIPELINE_GATE not in set(gates):
+        return (f"spec.parallelism.pipeline: method 'mtp' with pipeline > 1 is experimental; add "
+                f"'{MTP_PIPELINE_GATE}' to spec.gates or set pipeline to 1")
+    return None
+
+
+# -- rules --------------------------------------------------------------------------------------
+
+
+def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
+    errors: list[str] = []
+    location = spec.model.location
+    if location.scheme is ModelScheme.ALIAS and location.path.lower() not in ALIASES:
+        errors.append(f"spec.model.uri: '{location.path}' is not a packaged model; use one of "
+                      f"{sorted(ALIASES)} or a pvc://, file:// or hf:// address")
+    if spec.model.cache_claim and location.scheme is not ModelScheme.HF:
+        errors.append("spec.model.cacheClaim: only hf:// models are downloaded; remove it")
+    draft = spec.speculative.draft_model
+    if draft and "://" in draft:
+        errors.append("spec.speculative.draftModel: takes a packaged alias or a path inside the pod (mount it with "
+                      "spec.pod.volumes and spec.pod.volumeMounts), not an address")
+    gates = {*spec.gates, *spec.speculative.gates}
+    rule = mtp_pipeline_rule(spec.speculative.method.value, spec.parallelism.pipeline, gates)
+    if rule:
+        errors.append(rule)
+    errors += _rollout_errors(spec)
+    for i, arg in enumerate(spec.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in RENDERED_FLAGS:
+            errors.append(f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it")
+    return errors
+
+
+def _rollout_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
+    rollout, errors = spec.rollout, []
+    for field_name, value in (("maxSurge", rollout.max_surge), ("maxUnavailable", rollout.max_unavailable)):
+        errors += _int_or_percent_errors(f"spec.rollout.{field_name}", value)
+    pdb = spec.pod_disruption_budget
+    errors += _int_or_percent_errors("spec.podDisruptionBudget.maxUnavailable", pdb.max_unavailable)
+    if rollout.max_surge in (0, "0%") and rollout.max_unavailable in (0, "0%"):
+        errors.append("spec.rollout: maxSurge and maxUnavailable are both 0, so no replica can ever be replaced; "
+                      "set maxUnavailable to 1 (GPU-safe) or maxSurge to 1")
+    weights = [step.weight for step in rollout.steps]
+    if not weights:
+        errors.append("spec.rollout.steps: give at least one step; the last has weight 100")
+    elif any(b <= a for a, b in zip(weights, weights[1:])) or weights[-1] != 100:
+        errors.append(f"spec.rollout.steps: weights {weights} must increase strictly and end at 100")
+    analysis = rollout.analysis
+    if duration_seconds(analysis.window) < duration_seconds(analysis.interval):
+        errors.append(f"spec.rollout.analysis.window: {analysis.window} is shorter than interval {analysis.interval}; "
+                      "a window covers at least one interval")
+    return errors
+
+
+def _int_or_percent_errors(path: str, value: IntOrString) -> list[str]:
+    if isinstance(value, int):
+        return [] if value >= 0 else [f"{path}: must not be negative"]
+    if not _PERCENT.match(value) or int(value[:-1]) > 100:
+        return [f"{path}: '{value}' must be a whole number or a percentage from 0% to 100%"]
+    return []
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in a Go-style duration (``1h30m``, ``30s``, ``250ms``)."""
+    return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def _warnings(spec: SpecDecodeDeploymentSpec) -> Iterable[str]:
+    speculative = spec.speculative
+    if speculative.method is not SpeculativeMethod.NONE and speculative.verify is VerifyStrategy.TOPP:
+        yield (f"spec.speculative.verify: 'topp' is lossy: a draft inside the target's top-p mass "
+               f"(verifyTopP={speculative.verify_top_p}) is accepted, so outputs can differ from the model's own; "
+               "use 'rejection' (sampling) or 'greedy' to keep them identical")
+    analysis = spec.rollout.analysis
+    if speculative.method is SpeculativeMethod.NONE and (
+        analysis.min_acceptance_rate is not None or analysis.min_mean_acceptance_length is not None
+    ):
+        yield ("spec.rollout.analysis: acceptance thresholds are ignored with method 'none' (no drafts are made); "
+               "rollouts are judged on latency and errors")
+
+
+def _filled(spec: SpecDecodeDeploymentSpec, layout: Layout) -> SpecDecodeDeploymentSpec:
+    gates = tuple(sorted({*spec.gates, *spec.speculative.gates}))
+    return spec.model_copy(update={
+        "gates": gates,
+        "speculative": spec.speculative.model_copy(update={"gates": gates}),
+        "resources": spec.resources.model_copy(update={"gpus_per_pod": layout.gpus_per_pod}),
+    })
+

@@ -1,0 +1,281 @@
+"""The ``SpecDecodeDeployment`` custom resource as pydantic models: spec and typed status.
+
+One model, two spellings (``Shared``): camelCase in the CRD and the CR, snake_case in Python.
+``speculative`` *is* the runtime's ``SpeculativeConfig``; the CRD schema is generated from these
+models (``crd.py``), so a field added there appears in the CRD and the rendered pod arguments
+without a line changed here. Torch-free: only ``specdecode.runtime.config`` is imported.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, Field
+
+from specdecode.runtime.config import KNOWN_GATES, Shared, SpeculativeConfig
+
+# int-or-string (Kubernetes IntOrString / Quantity): the CRD generator turns this union into
+# ``x-kubernetes-int-or-string``; resolve checks the string forms.
+IntOrString = int | str
+Quantity = Annotated[int | str, Field(description="a Kubernetes quantity, e.g. 16Gi or 500m")]
+# Go-style durations as kubectl and Argo Rollouts write them: 30s, 5m, 1h30m.
+Duration = Annotated[str, Field(pattern=r"^([0-9]+(ms|s|m|h))+$")]
+Gate = Literal[tuple(sorted(KNOWN_GATES))]  # type: ignore[valid-type] - the enum follows KNOWN_GATES
+
+# -- model source -------------------------------------------------------------------------------
+
+MODEL_URI_PATTERN = (
+    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|file:///.+|hf://[^/\s]+/[^/\s]+|[A-Za-z0-9][A-Za-z0-9._-]*)$"
+)
+
+
+class ModelScheme(str, Enum):
+    ALIAS = "alias"  # a model packaged in the runtime image, e.g. smollm2-135m
+    PVC = "pvc"  # pvc://claim/path/in/claim
+    FILE = "file"  # file:///path/inside/the/container
+    HF = "hf"  # hf://org/name, fetched by an init container into a cache volume
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """A parsed model ``uri``: ``claim`` is set for pvc://, ``path`` is the claim-relative path
+    (pvc), absolute path (file), repository id (hf) or alias name."""
+
+    scheme: ModelScheme
+    path: str
+    claim: str | None = None
+
+    @classmethod
+    def parse(cls, uri: str) -> "ModelLocation":
+        if uri.startswith("pvc://"):
+            claim, _, path = uri.removeprefix("pvc://").partition("/")
+            return cls(ModelScheme.PVC, path, claim)
+        if uri.startswith("file://"):
+            return cls(ModelScheme.FILE, uri.removeprefix("file://"))
+        if uri.startswith("hf://"):
+            return cls(ModelScheme.HF, uri.removeprefix("hf://"))
+        return cls(ModelScheme.ALIAS, uri)
+
+
+class ModelSource(Shared):
+    uri: str = Field(
+        pattern=MODEL_URI_PATTERN,
+        description="pvc://claim/path, file:///path (inside the container), hf://org/name, or the alias of a "
+        "model packaged in the runtime image (smollm2-135m)",
+    )
+    served_name: str | None = Field(None, description="the model name clients send; default: this resource's name")
+    cache_claim: str | None = Field(
+        None, description="hf://: a PersistentVolumeClaim caching downloads across pods; default: an emptyDir per pod"
+    )
+
+    @property
+    def location(self) -> ModelLocation:
+        return ModelLocation.parse(self.uri)
+
+
+# -- layout and resources -----------------------------------------------------------------------
+
+
+class Parallelism(Shared):
+    """The parallel group that serves one replica; immutable after creation."""
+
+    tensor: int = Field(1, ge=1, le=64, description="tensor-parallel size (GPUs sharing each layer)")
+    pipeline: int = Field(1, ge=1, le=64, description="pipeline-parallel size (stages)")
+
+
+class Resources(Shared):
+    gpus_per_pod: int | None = Field(
+        None, ge=0, le=16,
+        description="GPUs each pod requests; default parallelism.tensor (one pod per pipeline stage). "
+        "A divisor of tensor spreads one stage over several pods; 0 runs on CPU",
+    )
+    gpu_resource_name: str = Field("nvidia.com/gpu", description="the extended resource GPUs are requested as")
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="extra container requests (cpu, memory)")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="extra container limits (cpu, memory)")
+    shm_size: Quantity = Field("1Gi", description="size of the /dev/shm memory volume")
+
+
+# -- rollout ------------------------------------------------------------------------------------
+
+
+class Prometheus(Shared):
+    url: str = Field(pattern=r"^https?://.+", description="query this Prometheus instead of scraping canary pods")
+
+
+class Analysis(Shared):
+    """The SLO a canary revision is held to, judged every ``interval`` over the last ``window``."""
+
+    interval: Duration = "30s"
+    window: Duration = "5m"
+    min_acceptance_rate: float | None = Field(None, ge=0.0, le=1.0, description="accepted / draft tokens")
+    min_mean_acceptance_length: float | None = Field(None, ge=1.0, description="1 + accepted / drafts")
+    max_p95_inter_token_latency_ms: float | None = Field(None, gt=0.0)
+    max_error_rate: float | None = Field(None, ge=0.0, le=1.0, description="errored / finished requests")
+    failure_limit: int = Field(3, ge=1, description="consecutive failed analyses that roll back")
+    inconclusive_limit: int = Field(3, ge=1, description="consecutive windows without data that pause")
+    prometheus: Prometheus | None = None
+
+
+class CanaryStep(Shared):
+    weight: int = Field(ge=1, le=100, description="percent of replicas running the new revision")
+
+
+class Rollout(Shared):
+    max_surge: IntOrString = Field(0, description="extra replicas during a rollout (GPU-safe default 0); int or %")
+    max_unavailable: IntOrString = Field(1, description="replicas that may be down during a rollout; int or percent")
+    steps: tuple[CanaryStep, ...] = Field(
+        (CanaryStep(weight=50), CanaryStep(weight=100)), description="strictly increasing; the last is 100"
+    )
+    analysis: Analysis = Analysis()
+
+
+# -- service, probes, monitoring, pod pass-through -----------------------------------------------
+
+
+class ServiceSpec(Shared):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Probes(Shared):
+    startup_timeout_seconds: int = Field(1800, ge=10, description="time allowed for the model to load before /ready")
+    period_seconds: int = Field(10, ge=1, le=300)
+    failure_threshold: int = Field(3, ge=1, description="liveness (/health) and readiness (/ready) failures tolerated")
+
+
+class ServiceMonitorSpec(Shared):
+    enabled: bool = False
+    interval: Duration = "15s"
+    labels: dict[str, str] = Field(default_factory=dict, description="labels the Prometheus instance selects on")
+
+
+class DisruptionBudget(Shared):
+    enabled: bool = False
+    max_unavailable: IntOrString = 1
+
+
+class LocalObjectReference(Shared):
+    name: str
+
+
+class PodOverrides(Shared):
+    """Passed through to every pod unchanged (the Kubernetes schema of each applies)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    affinity: dict[str, Any] | None = None
+    image_pull_secrets: tuple[LocalObjectReference, ...] = ()
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    env: tuple[dict[str, Any], ...] = Field((), description="added to the runtime container's environment")
+    volumes: tuple[dict[str, Any], ...] = ()
+    volume_mounts: tuple[dict[str, Any], ...] = Field((), description="mounted into the runtime container")
+
+
+# -- the spec -----------------------------------------------------------------------------------
+
+
+class SpecDecodeDeploymentSpec(Shared):
+    model: ModelSource
+    image: str = Field(min_length=1, description="the runtime image")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    replicas: int = Field(1, ge=0, description="model replicas (each one parallel group)")
+    parallelism: Parallelism = Parallelism()
+    resources: Resources = Resources()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    gates: tuple[Gate, ...] = Field((), description="experimental features; merged into speculative.gates")
+    extra_args: tuple[str, ...] = Field((), description="more `specdecode serve` flags (engine sizing)")
+    rollout: Rollout = Rollout()
+    service: ServiceSpec = ServiceSpec()
+    probes: Probes = Probes()
+    service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+    pod_disruption_budget: DisruptionBudget = DisruptionBudget()
+    pod: PodOverrides = PodOverrides()
+
+
+# -- the status ---------------------------------------------------------------------------------
+
+
+class ConditionType(str, Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    ROLLED_BACK = "RolledBack"
+    PAUSED = "Paused"
+
+
+class ConditionStatus(str, Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(Shared):
+    type: ConditionType
+    status: ConditionStatus
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase, e.g. InvalidSpec")
+    message: str = ""
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = None
+
+
+class MeasuredAcceptance(Shared):
+    """What the last analysis measured on one revision's pods."""
+
+    revision: str
+    rate: float | None = Field(None, description="accepted / draft tokens; none when the window had no drafts")
+    mean_length: float | None = Field(None, description="1 + accepted / drafts")
+    p95_inter_token_latency_ms: float | None = None
+    error_rate: float | None = None
+    draft_tokens: int = 0
+    measured_at: datetime | None = None
+
+
+class SpecDecodeDeploymentStatus(Shared):
+    observed_generation: int | None = None
+    conditions: tuple[Condition, ...] = Field(
+        (), json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+    )
+    stable_revision: str | None = None
+    canary_revision: str | None = None
+    canary_step: int | None = Field(None, ge=0, description="index into spec.rollout.steps")
+    replicas: int = Field(0, ge=0, description="model replicas of every revision (scale subresource)")
+    ready_replicas: int = Field(0, ge=0)
+    selector: str | None = Field(None, description="label selector of the serving pods (scale subresource)")
+    acceptance: MeasuredAcceptance | None = None
+    warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
+
+
+
+def field_spellings(model: type[BaseModel]) -> dict[str, str]:
+    """snake_case → alias of every field of ``model`` and of the models it contains."""
+    spellings: dict[str, str] = {}
+    seen: set[type] = set()
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation in seen:
+                return
+            seen.add(annotation)
+            for name, field in annotation.model_fields.items():
+                spellings[name] = field.alias or name
+                visit(field.annotation)
+        for arg in get_args(annotation):
+            visit(arg)
+
+    visit(model)
+    return spellings
+
+
+CRD_SPELLINGS = field_spellings(SpecDecodeDeploymentSpec) | field_spellings(SpecDecodeDeploymentStatus)
+
+
+def in_crd_spelling(text: str) -> str:
+    """``text`` (a docstring, a validator's message) with snake_case field names as the CRD spells them."""
+    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", lambda m: CRD_SPELLINGS.get(m.group(0), m.group(0)), text)

@@ -1,0 +1,92 @@
+"""`specdecode validate` / `specdecode render`: exit codes, output, and both work without torch."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from specdecode.runtime.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+GOOD = str(REPO / "examples" / "smollm2-ngram.yaml")
+DRAFT = str(REPO / "examples" / "qwen-coder-draft.yaml")
+BAD = str(REPO / "examples" / "invalid-mtp.yaml")
+
+
+def test_validate_allows_the_examples(capsys):
+    assert main(["validate", GOOD]) == 0
+    assert capsys.readouterr().out == "allowed: smollm2-ngram\n"
+    assert main(["validate", DRAFT]) == 0
+
+
+def test_validate_refuses_with_what_to_change(capsys):
+    assert main(["validate", BAD]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith('denied: SpecDecodeDeployment "invalid-mtp" is invalid: spec.speculative.method: ')
+    assert "use ngram, suffix or draft" in out and "spec.speculative.numSpeculativeTokens" in out
+
+
+def test_validate_json_is_the_admission_response(capsys):
+    assert main(["validate", "-o", "json", BAD]) == 1
+    (response,) = json.loads(capsys.readouterr().out)
+    assert response["allowed"] is False and response["status"]["code"] == 422
+    assert response["status"]["message"].startswith('SpecDecodeDeployment "invalid-mtp" is invalid')
+
+
+def test_validate_warnings_go_to_stderr_and_old_checks_immutability(tmp_path, capsys):
+    body = yaml.safe_load(Path(GOOD).read_text())
+    body["spec"]["speculative"]["verify"] = "topp"
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump(body))
+    assert main(["validate", str(new)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "allowed: smollm2-ngram\n"
+    assert captured.err.startswith("Warning: spec.speculative.verify: 'topp' is lossy")
+    body["spec"]["parallelism"] = {"pipeline": 2}
+    new.write_text(yaml.safe_dump(body))
+    assert main(["validate", str(new), "--old", GOOD]) == 1
+    assert "spec.parallelism: the parallel group is immutable" in capsys.readouterr().out
+
+
+def test_unreadable_files_exit_2(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    assert main(["render", str(tmp_path / "list.yaml")]) == 2
+    assert "document 1 is not a mapping" in capsys.readouterr().err
+
+
+def test_render_prints_the_objects_as_yaml(capsys):
+    assert main(["render", GOOD]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert docs[0]["spec"]["replicas"] == 2
+    assert main(["render", GOOD, "--replicas", "1"]) == 0
+    assert next(yaml.safe_load_all(capsys.readouterr().out))["spec"]["replicas"] == 1
+
+
+def test_render_refuses_an_invalid_spec(capsys):
+    assert main(["render", BAD]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith('denied: SpecDecodeDeployment "invalid-mtp"')
+
+
+def test_operator_and_commands_work_without_torch():
+    script = textwrap.dedent(
+        f"""
+        import importlib, pkgutil, sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import specdecode.operator
+        for mod in pkgutil.iter_modules(specdecode.operator.__path__):
+            importlib.import_module(f"specdecode.operator.{{mod.name}}")
+        from specdecode.runtime.cli import main
+        assert main(["validate", {GOOD!r}]) == 0
+        assert main(["render", {DRAFT!r}]) == 0
+        assert main(["validate", {BAD!r}]) == 1
+        assert not any(name.startswith(("torch", "kopf", "kubernetes")) for name in sys.modules if sys.modules[name])
+        """
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "kind: Deployment" in done.stdout and "denied:" in done.stdout

@@ -1,0 +1,261 @@
+"""render: layouts, runtime arguments, revision hash, and every object valid for Kubernetes."""
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from specdecode.operator import names
+from specdecode.operator.render import build_workloads, pod_template, render, revision
+from specdecode.operator.resolve import Resolved, resolve
+from specdecode.runtime.config import SpeculativeConfig
+
+K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
+NOT_BUNDLED = {"ServiceMonitor", "LeaderWorkerSet"}  # CRDs of other projects: checked by hand below
+
+
+def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    body = {"model": {"uri": "smollm2-135m"}, "image": "specdecode/runtime:test", **spec}
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name, "namespace": "llm"},
+            "spec": body}
+
+
+def resolved(**spec: Any) -> Resolved:
+    answer = resolve(cr(**spec))
+    assert answer.allowed, answer.message
+    return answer.resolved
+
+
+def kinds(objs: list[dict[str, Any]]) -> list[str]:
+    return [o["kind"] for o in objs]
+
+
+def runtime(obj: dict[str, Any]) -> dict[str, Any]:
+    spec = obj["spec"]
+    template = spec.get("template") or spec["leaderWorkerTemplate"]["workerTemplate"]
+    (container,) = template["spec"]["containers"]
+    return container
+
+
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def arg(container: dict[str, Any], flag: str) -> str:
+    args = container["args"]
+    return args[args.index(flag) + 1]
+
+
+EVERYTHING = dict(
+    replicas=2,
+    speculative={"method": "ngram", "numSpeculativeTokens": 6, "promptLookupMin": 2,
+                 "loadControl": {"batchSizeTable": [{"maxBatchSize": 8, "numSpeculativeTokens": 4}]}},
+    resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": 32}, "shmSize": "8Gi"},
+    serviceMonitor={"enabled": True, "labels": {"release": "prom"}},
+    podDisruptionBudget={"enabled": True, "maxUnavailable": "50%"},
+    service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
+    pod={
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccountName": "llm",
+        "priorityClassName": "high",
+        "labels": {"team": "ml"},
+        "annotations": {"note": "x"},
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        "volumes": [{"name": "extra", "configMap": {"name": "templates"}}],
+        "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates"}],
+    },
+)
+LAYOUTS = {
+    "tp-in-pod": dict(parallelism={"tensor": 4}),
+    "pp-sts": dict(parallelism={"tensor": 2, "pipeline": 2}, model={"uri": "pvc://weights/qwen/7b"}),
+    "tp-across-pods": dict(parallelism={"tensor": 4}, resources={"gpusPerPod": 2}, model={"uri": "hf://Qwen/Qwen2.5-7B"}),
+    "cpu": dict(resources={"gpusPerPod": 0}, model={"uri": "file:///models/smollm2"}),
+}
+
+
+def test_tp_in_one_pod_is_a_deployment():
+    r = resolved(parallelism={"tensor": 4}, replicas=3)
+    objs = render(r)
+    assert kinds(objs) == ["Deployment", "Service"]
+    deployment, service = objs
+    rev = revision(r)
+    assert deployment["metadata"]["name"] == f"demo-{rev}" and deployment["metadata"]["namespace"] == "llm"
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["selector"]["matchLabels"][names.LABEL_REVISION] == rev
+    assert deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_REVISION] == rev
+    container = runtime(deployment)
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+    assert arg(container, "--tensor-parallel-size") == "4" and "--pipeline-parallel-size" not in container["args"]
+    assert "env" not in container  # no rendezvous inside one pod
+    assert service["spec"]["selector"] == names.selector_labels("demo")  # stable and canary pods alike
+
+
+def test_runtime_arguments_come_from_the_shared_config():
+    r = resolved(speculative={"method": "ngram", "numSpeculativeTokens": 6, "verify": "greedy"},
+                 model={"uri": "smollm2-135m", "servedName": "smol"}, extraArgs=["--max-model-len", "2048"])
+    container = runtime(render(r)[0])
+    assert container["command"] == ["specdecode"] and container["args"][0] == "serve"
+    assert arg(container, "--model") == "smollm2-135m" and arg(container, "--served-model-name") == "smol"
+    assert (arg(container, "--host"), arg(container, "--port")) == ("0.0.0.0", "8000")
+    raw = arg(container, "--speculative-config")
+    assert json.loads(raw) == {"method": "ngram", "num_speculative_tokens": 6, "verify": "greedy"}  # snake_case
+    assert SpeculativeConfig.model_validate_json(raw) == r.spec.speculative  # the runtime reads it back
+    assert container["args"][-2:] == ["--max-model-len", "2048"]
+
+
+def test_probes_volumes_and_pass_through():
+    r = resolved(probes={"startupTimeoutSeconds": 600, "periodSeconds": 5}, **{k: v for k, v in EVERYTHING.items()})
+    deployment = render(r)[0]
+    pod = deployment["spec"]["template"]["spec"]
+    container = runtime(deployment)
+    assert container["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] == 600
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
+    assert container["resources"]["limits"] == {"memory": "32", "nvidia.com/gpu": "1"}
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["serviceAccountName"] == "llm"
+    assert pod["priorityClassName"] == "high" and "nodeAffinity" in pod["affinity"]
+    assert env(container)["HF_TOKEN"]["secretKeyRef"]["name"] == "hf"
+    assert {"name": "extra", "mountPath": "/etc/templates"} in container["volumeMounts"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "ml" and labels[names.LABEL_INSTANCE] == "demo"
+    assert deployment["spec"]["template"]["metadata"]["annotations"] == {"note": "x"}
+
+
+def test_selector_labels_win_over_user_pod_labels():
+    r = resolved(pod={"labels": {names.LABEL_INSTANCE: "someone-else"}})
+    assert render(r)[0]["spec"]["template"]["metadata"]["labels"][names.LABEL_INSTANCE] == "demo"
+
+
+def test_model_sources():
+    pvc = runtime(render(resolved(model={"uri": "pvc://weights/qwen/7b"}))[0])
+    assert arg(pvc, "--model") == "/mnt/models/qwen/7b"
+    assert {"name": "model", "mountPath": "/mnt/models", "readOnly": True} in pvc["volumeMounts"]
+    hf = render(resolved(model={"uri": "hf://Qwen/Qwen2.5-7B", "cacheClaim": "hf-cache"}))[0]["spec"]["template"]["spec"]
+    (fetch,) = hf["initContainers"]
+    assert fetch["command"][-2:] == ["Qwen/Qwen2.5-7B", "/mnt/models/Qwen/Qwen2.5-7B"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}} in hf["volumes"]
+    local = runtime(render(resolved(model={"uri": "file:///opt/models/smol.gguf"}))[0])
+    assert arg(local, "--model") == "/opt/models/smol.gguf"
+
+
+def test_pipeline_parallel_is_a_statefulset_and_headless_service_per_replica():
+    r = resolved(parallelism={"tensor": 2, "pipeline": 3}, replicas=2)
+    objs = render(r)
+    assert kinds(objs) == ["Service", "StatefulSet", "Service", "StatefulSet", "Service"]
+    rev = revision(r)
+    for group in (0, 1):
+        headless, sts = objs[2 * group], objs[2 * group + 1]
+        name = names.group_name("demo", rev, group)
+        assert headless["metadata"]["name"] == sts["metadata"]["name"] == sts["spec"]["serviceName"] == name
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+        assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+        container = runtime(sts)
+        e = env(container)
+        assert e["MASTER_ADDR"] == f"{name}-0.{name}.llm.svc" and e["MASTER_PORT"] == "29500" and e["NNODES"] == "3"
+        assert e["NODE_RANK"]["fieldRef"]["fieldPath"] == f"metadata.labels['{names.LABEL_STS_POD_INDEX}']"
+        assert arg(container, "--pipeline-parallel-size") == "3" and arg(container, "--tensor-parallel-size") == "2"
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    service = objs[-1]
+    assert service["spec"]["selector"] == {**names.selector_labels("demo"), names.LABEL_STS_POD_INDEX: "0"}
+
+
+def test_leader_worker_set_when_the_cluster_serves_it():
+    r = resolved(parallelism={"tensor": 8}, resources={"gpusPerPod": 4}, replicas=2)
+    objs = render(r, leader_worker_set=True)
+    assert kinds(objs) == ["LeaderWorkerSet", "Service"]
+    lws, service = objs
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 2
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    e = env(runtime(lws))
+    assert e["MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)"
+    assert e["NODE_RANK"]["fieldRef"]["fieldPath"] == f"metadata.labels['{names.LABEL_LWS_WORKER_INDEX}']"
+    assert service["spec"]["selector"][names.LABEL_LWS_WORKER_INDEX] == "0"
+
+
+def test_service_monitor_and_pdb():
+    objs = render(resolved(**EVERYTHING))
+    by_kind = {o["kind"]: o for o in objs}
+    monitor, pdb, service = by_kind["ServiceMonitor"], by_kind["PodDisruptionBudget"], by_kind["Service"]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
+    (relabel,) = endpoint["relabelings"]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_specdecode_io_revision"]
+    assert relabel["targetLabel"] == "revision"
+    assert pdb["spec"]["maxUnavailable"] == "50%" and pdb["spec"]["selector"]["matchLabels"] == names.selector_labels("demo")
+    assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 80
+
+
+def test_revision_is_stable_and_follows_the_pod_template():
+    base = revision(resolved(speculative={"method": "ngram"}))
+    assert base == revision(resolved(speculative={"method": "ngram"}))
+    assert len(base) == names.REVISION_LENGTH
+    # what the pods do not see makes no new revision
+    assert base == revision(resolved(speculative={"method": "ngram"}, replicas=5))
+    assert base == revision(resolved(speculative={"method": "ngram"}, rollout={"analysis": {"minAcceptanceRate": 0.4}}))
+    assert base == revision(resolved(speculative={"method": "ngram", "numSpeculativeTokens": 4}))  # the default spelled out
+    # what they do see makes one
+    changed = {
+        revision(resolved(speculative={"method": "ngram", "numSpeculativeTokens": 5})),
+        revision(resolved(speculative={"method": "ngram"}, image="specdecode/runtime:other")),
+        revision(resolved(speculative={"method": "ngram"}, pod={"env": [{"name": "X", "value": "1"}]})),
+        revision(resolved(speculative={"method": "suffix"})),
+    }
+    assert base not in changed and len(changed) == 4
+
+
+def test_replicas_are_a_parameter_for_the_rollout():
+    r = resolved(parallelism={"pipeline": 2}, replicas=4)
+    rev = revision(r)
+    assert [o["metadata"]["name"] for o in build_workloads(r, rev, 1)] == [f"demo-{rev}-0"] * 2
+    assert build_workloads(r, rev, 0) == []
+    assert render(resolved(replicas=4), replicas=1)[0]["spec"]["replicas"] == 1
+
+
+def test_pod_template_is_not_shared_between_renders():
+    r = resolved()
+    render(r)[0]["spec"]["template"]["metadata"]["labels"]["x"] = "y"
+    assert "x" not in pod_template(r)["metadata"]["labels"]
+
+
+def all_rendered() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for layout, spec in LAYOUTS.items():
+        merged = {**EVERYTHING, **spec, "resources": {**EVERYTHING["resources"], **spec.get("resources", {})}}
+        for lws in (False, True):
+            for obj in render(resolved(**merged), leader_worker_set=lws):
+                out.append((f"{layout}{'-lws' if lws else ''}/{obj['kind']}/{obj['metadata']['name']}", obj))
+    return out
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_object_passes_kubernetes_validate_strict(version):
+    checked = set()
+    for label, obj in all_rendered():
+        if obj["kind"] in NOT_BUNDLED:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(obj, version, strict=True)
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)
+        checked.add(obj["kind"])
+    assert checked == {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget"}
+
+
+def test_leader_worker_set_pod_template_passes_as_a_pod_template():
+    """LeaderWorkerSet is not bundled: its workerTemplate is a PodTemplateSpec, validated as one."""
+    r = resolved(**{**EVERYTHING, **LAYOUTS["pp-sts"]})
+    (lws, *_rest) = render(r, leader_worker_set=True)
+    template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                "template": lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]}
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(template, version, strict=True)

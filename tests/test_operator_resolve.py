@@ -1,0 +1,160 @@
+"""resolve: defaults, compatibility rules and gates; each refusal says what to change."""
+import copy
+from typing import Any
+
+import pytest
+
+from specdecode.operator import names
+from specdecode.operator.resolve import admission_response, mtp_pipeline_rule, resolve
+
+
+def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    body = {"model": {"uri": "smollm2-135m"}, "image": "specdecode/runtime:test", **spec}
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": body}
+
+
+def refusal(body: dict[str, Any], old: dict[str, Any] | None = None) -> str:
+    answer = resolve(body, old)
+    assert not answer.allowed and answer.resolved is None
+    return answer.message
+
+
+def test_minimal_spec_gets_every_default():
+    answer = resolve(cr())
+    assert answer.allowed and answer.errors == () and answer.warnings == ()
+    r = answer.resolved
+    assert (r.name, r.namespace) == ("demo", "default")
+    assert r.spec.replicas == 1 and r.spec.speculative.method.value == "none"
+    assert r.spec.rollout.max_surge == 0 and [s.weight for s in r.spec.rollout.steps] == [50, 100]
+    assert (r.layout.tensor, r.layout.pipeline, r.layout.gpus_per_pod, r.layout.pods_per_group) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize(("tensor", "pipeline", "gpus", "pods"), [
+    (4, 1, None, 1),  # TP in one pod
+    (4, 1, 2, 2),  # a stage spread over two pods
+    (2, 3, None, 3),  # one pod per stage
+    (2, 2, 0, 2),  # CPU: same layout, no GPUs
+])
+def test_gpus_per_pod_default_and_layout(tensor, pipeline, gpus, pods):
+    resources = {} if gpus is None else {"gpusPerPod": gpus}
+    r = resolve(cr(parallelism={"tensor": tensor, "pipeline": pipeline}, resources=resources)).resolved
+    assert r.layout.gpus_per_pod == (tensor if gpus is None else gpus)
+    assert r.spec.resources.gpus_per_pod == r.layout.gpus_per_pod
+    assert r.layout.pods_per_group == pods and r.layout.single_pod is (pods == 1)
+
+
+def test_gpus_per_pod_above_tensor_is_refused():
+    message = refusal(cr(parallelism={"tensor": 2}, resources={"gpusPerPod": 4}))
+    assert "spec.resources.gpusPerPod: 4 is more than parallelism.tensor (2)" in message
+    assert "set gpusPerPod to 2 (or leave it unset)" in message
+
+
+def test_gpus_per_pod_not_dividing_tensor_is_refused():
+    message = refusal(cr(parallelism={"tensor": 8}, resources={"gpusPerPod": 3}))
+    assert "spec.resources.gpusPerPod: 3 does not divide parallelism.tensor (8)" in message
+    assert "use one of [1, 2, 4, 8]" in message
+
+
+def test_draft_needs_a_draft_model():
+    message = refusal(cr(speculative={"method": "draft"}))
+    assert "spec.speculative: method 'draft' needs draftModel" in message  # CRD spelling, not draft_model
+
+
+def test_draft_model_must_be_an_alias_or_a_path():
+    message = refusal(cr(speculative={"method": "draft", "draftModel": "pvc://claim/draft"}))
+    assert "spec.speculative.draftModel: takes a packaged alias or a path inside the pod" in message
+
+
+def test_mtp_is_refused_until_the_runtime_has_it():
+    message = refusal(cr(speculative={"method": "mtp"}, parallelism={"pipeline": 2}))
+    assert "spec.speculative.method: 'mtp' is not available yet" in message and "use ngram, suffix or draft" in message
+    assert message.count("spec.speculative.method") == 1  # not the enum error a second time
+
+
+def test_mtp_with_pipeline_parallelism_needs_its_gate():
+    message = mtp_pipeline_rule("mtp", 2, gates=())
+    assert message.startswith("spec.parallelism.pipeline:") and "add 'mtp-pipeline-parallel' to spec.gates" in message
+    assert mtp_pipeline_rule("mtp", 2, gates=("mtp-pipeline-parallel",)) is None
+    assert mtp_pipeline_rule("mtp", 1, gates=()) is None
+    assert mtp_pipeline_rule("ngram", 4, gates=()) is None
+
+
+def test_gates_are_checked_and_merged_into_the_runtime_config():
+    assert "spec.gates[0]: Input should be 'mtp-pipeline-parallel'" in refusal(cr(gates=["warp-drive"]))
+    r = resolve(cr(gates=["mtp-pipeline-parallel"])).resolved
+    assert r.spec.speculative.gates == ("mtp-pipeline-parallel",)
+
+
+def test_topp_is_allowed_with_a_lossy_warning():
+    answer = resolve(cr(speculative={"method": "ngram", "verify": "topp", "verifyTopP": 0.8}))
+    assert answer.allowed
+    (warning,) = answer.warnings
+    assert warning.startswith("spec.speculative.verify: 'topp' is lossy") and "verifyTopP=0.8" in warning
+    assert answer.resolved.warnings == answer.warnings
+    assert admission_response(answer) == {"allowed": True, "warnings": [warning]}
+
+
+def test_acceptance_slo_with_method_none_warns():
+    answer = resolve(cr(rollout={"analysis": {"minAcceptanceRate": 0.5}}))
+    assert answer.allowed and "acceptance thresholds are ignored with method 'none'" in answer.warnings[0]
+
+
+def test_parallel_group_is_immutable():
+    old = cr(parallelism={"tensor": 2})
+    assert resolve(cr(parallelism={"tensor": 2}, replicas=3), old).allowed  # scaling is fine
+    message = refusal(cr(parallelism={"tensor": 4}), old)
+    assert ("spec.parallelism: the parallel group is immutable after creation "
+            "(was tensor=2, pipeline=1, gpusPerPod=2; now tensor=4, pipeline=1, gpusPerPod=4)") in message
+    assert "create a new SpecDecodeDeployment" in message
+    assert "immutable" in refusal(cr(parallelism={"tensor": 2}, resources={"gpusPerPod": 1}), old)
+    # the same group spelled with the default written out is no change
+    assert resolve(cr(parallelism={"tensor": 2}, resources={"gpusPerPod": 2}), old).allowed
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"model": {"uri": "nosuch-model"}}, "spec.model.uri: 'nosuch-model' is not a packaged model; use one of"),
+    ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be pvc://claim/path, file:///path, hf://org/name"),
+    ({"model": {"uri": "file:///models/x", "cacheClaim": "c"}}, "spec.model.cacheClaim: only hf:// models"),
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout: maxSurge and maxUnavailable are both 0"),
+    ({"rollout": {"maxSurge": "150%"}}, "spec.rollout.maxSurge: '150%' must be a whole number or a percentage"),
+    ({"rollout": {"steps": [{"weight": 50}, {"weight": 20}]}}, "spec.rollout.steps: weights [50, 20] must increase"),
+    ({"rollout": {"steps": [{"weight": 50}]}}, "spec.rollout.steps: weights [50] must increase strictly and end at 100"),
+    ({"rollout": {"steps": []}}, "spec.rollout.steps: give at least one step"),
+    ({"rollout": {"analysis": {"interval": "5m", "window": "1m"}}}, "spec.rollout.analysis.window: 1m is shorter"),
+    ({"rollout": {"analysis": {"interval": "soon"}}}, "spec.rollout.analysis.interval: must be a duration"),
+    ({"extraArgs": ["--max-model-len", "4096", "--model=x"]}, "spec.extraArgs[2]: --model is set from spec.model.uri"),
+    ({"replicas": "2"}, "spec.replicas: Input should be a valid integer"),  # strict, as the API server is
+    ({"speculative": {"num_speculative_tokens": 2}}, "spec.speculative.num_speculative_tokens: unknown field"),
+    ({"speculative": {"promptLookupMin": 5}}, "spec.speculative: promptLookupMin (5) must not exceed promptLookupMax"),
+    ({"image": None}, "spec.image: Input should be a valid string"),
+])
+def test_refusals_say_what_to_change(spec, expected):
+    assert expected in refusal(cr(**spec))
+
+
+def test_identity_and_name_rules():
+    body = cr()
+    body["kind"] = "Deployment"
+    assert "apiVersion/kind: must be specdecode.io/v1alpha1 SpecDecodeDeployment" in refusal(body)
+    assert "metadata.name: must be lowercase letters" in refusal(cr(name="Demo"))
+    long_name = "a" * 40
+    assert f"metadata.name: at most {names.max_resource_name_length(1)} characters" in refusal(cr(name=long_name))
+    body = cr()
+    del body["spec"]
+    assert "spec: required" in refusal(body)
+
+
+def test_several_errors_are_reported_together_and_admission_denies():
+    body = cr(parallelism={"tensor": 2}, resources={"gpusPerPod": 4}, rollout={"steps": [{"weight": 10}]})
+    answer = resolve(body)
+    assert len(answer.errors) == 2
+    assert answer.message.startswith('SpecDecodeDeployment "demo" is invalid: spec.resources.gpusPerPod')
+    response = admission_response(answer)
+    assert response == {"allowed": False, "status": {"code": 422, "reason": "Invalid", "message": answer.message}}
+
+
+def test_resolve_does_not_mutate_its_input():
+    body = cr(gates=["mtp-pipeline-parallel"])
+    before = copy.deepcopy(body)
+    resolve(body, before)
+    assert body == before
