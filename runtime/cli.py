@@ -188,12 +188,25 @@ def _run_render(args: argparse.Namespace) -> int:
     return render_command(args.file, replicas=args.replicas, leader_worker_set=args.leader_worker_set)
 
 
+def _add_bench(parser: argparse.ArgumentParser) -> None:
+    from specdecode.runtime.bench.command import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from specdecode.runtime.bench.command import run
+
+    return run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", _add_serve, _run_serve),
     Subcommand("generate", "generate one completion and print it", _add_generate, _run_generate),
     Subcommand("validate", "check SpecDecodeDeployments as admission would (exit 1 on refusal)", _add_validate,
                _run_validate),
     Subcommand("render", "print the Kubernetes objects the operator would create", _add_render, _run_render),
+    Subcommand("bench", "benchmark against Hugging Face transformers (table, JSON, plot)", _add_bench, _run_bench),
 ]
 
 

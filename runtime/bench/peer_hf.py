@@ -1,0 +1,146 @@
+"""The peer: Hugging Face transformers ``generate()``, KV cache on, greedy, same token ids.
+
+Run as a subprocess by ``command.py``: ``python -P -m specdecode.runtime.bench.peer_hf JOB OUT``.
+The job carries our tokenizer's prompt ids, so both systems see identical inputs. EOS is ignored
+by removing it from the generation config (``eos_token_id=None``) rather than with
+``min_new_tokens``, which would mask EOS out of the logits and change the greedy choice; so both
+systems generate exactly ``max_tokens`` tokens. Concurrency 1 runs one prompt at a time;
+concurrency c > 1 runs one left-padded batch (with its attention mask) per group of c prompts.
+A streamer timestamps each generated token, for TTFT and ITL.
+"""
+from __future__ import annotations
+
+import contextlib
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from specdecode.runtime.bench.records import (
+    Job, RequestTiming, RunResult, SystemResult, TieCheck, read_job, run_schedule, write_json,
+)
+from specdecode.runtime.config import LoadConfig
+from specdecode.runtime.models import aliases
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ArrivalStreamer(BaseStreamer):
+    """Records when each generation step's tokens arrive (``generate`` first puts the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def peer_source(model: str) -> Iterator[tuple[Path, str | None]]:
+    """(folder, GGUF file name or None) for ``from_pretrained``: an alias, a GGUF file or a HF folder.
+    Split aliases are joined into the default weight cache, where our loader joined them too."""
+    if aliases.is_alias(model):
+        with aliases.alias_gguf(model, LoadConfig().weight_cache_dir) as gguf:
+            yield gguf.parent, gguf.name
+        return
+    path = Path(model).expanduser()
+    yield (path, None) if path.is_dir() else (path.parent, path.name)
+
+
+def load_peer(job: Job) -> AutoModelForCausalLM:
+    with peer_source(job.model) as (folder, gguf_file):
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[job.dtype], **extra)
+    model = model.to(job.device).eval()
+    pad = model.generation_config.pad_token_id
+    # Replace the checkpoint's generation defaults wholesale: greedy, KV cache, no EOS stop.
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=job.max_tokens,
+        eos_token_id=None,
+        pad_token_id=0 if pad is None else pad,
+        use_cache=True,
+    )
+    return model
+
+
+@torch.inference_mode()
+def generate_group(model, job: Job, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+    """One ``generate`` call over a left-padded batch; returns generated ids and token arrival times."""
+    width = max(len(p) for p in prompts)
+    pad = model.generation_config.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=job.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=job.device)
+    streamer = ArrivalStreamer()
+    out = model.generate(input_ids, attention_mask=mask, streamer=streamer)
+    generated = out[:, width:].tolist()
+    if any(len(g) != job.max_tokens for g in generated):
+        raise RuntimeError(f"transformers generated {[len(g) for g in generated]} tokens, not {job.max_tokens}")
+    return generated, streamer.times
+
+
+def run_batched(model, job: Job, prompt_ids: list[list[int]], concurrency: int, warmup: bool) -> RunResult:
+    outputs: list[list[int]] = []
+    timings: list[RequestTiming] = []
+    t0 = time.perf_counter()
+    for first in range(0, len(prompt_ids), concurrency):
+        start = time.perf_counter()
+        generated, times = generate_group(model, job, prompt_ids[first : first + concurrency])
+        outputs += generated
+        timings += [RequestTiming.from_arrivals(start, [(t, 1) for t in times]) for _ in generated]
+    wall = time.perf_counter() - t0
+    return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs)
+
+
+@torch.inference_mode()
+def tie_checks(model, job: Job, prompt_ids: list[list[int]], reference: list[list[int]]) -> list[TieCheck]:
+    """For each prompt where the other system's output (``job.tie_check_outputs``) differs from this
+    model's (``reference``), this model's top-2 logits at the first differing position, computed
+    over prompt + the common prefix."""
+    checks = []
+    for i, (ref, other) in enumerate(zip(reference, job.tie_check_outputs or [])):
+        pos = next((p for p, (a, b) in enumerate(zip(ref, other)) if a != b), None)
+        if pos is None:
+            continue
+        ids = torch.tensor([prompt_ids[i] + ref[:pos]], device=job.device)
+        logits = model(ids).logits[0, -1].float()  # [vocab]
+        top = torch.topk(logits, 2)
+        checks.append(TieCheck(i, pos, ref[pos], other[pos], top.indices.tolist(), top.values.tolist()))
+    return checks
+
+
+def run_job(job: Job) -> SystemResult:
+    torch.set_num_threads(job.threads)
+    start = time.perf_counter()
+    model = load_peer(job)
+    load_s = time.perf_counter() - start
+    prompt_ids = job.prompt_token_ids or []
+    runs = run_schedule(
+        "transformers", job, prompt_ids, lambda ids, c, warmup, tag: run_batched(model, job, ids, c, warmup)
+    )
+    single = [r for r in runs if r.concurrency == 1 and not r.warmup]
+    ties = tie_checks(model, job, prompt_ids, single[0].outputs) if single and job.tie_check_outputs else []
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    return SystemResult("transformers", versions, torch.get_num_threads(), load_s, prompt_ids, runs, ties)
+
+
+def main(argv: list[str]) -> int:
+    job_path, out_path = (Path(a) for a in argv)
+    write_json(out_path, run_job(read_job(job_path)).to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

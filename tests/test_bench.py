@@ -1,0 +1,69 @@
+"""``specdecode bench``: end to end on the tiny random model (both systems, real subprocesses),
+and the output checks on hand-made results. No timing is asserted: the machine is noisy."""
+import json
+
+import pytest
+
+from specdecode.runtime.bench import command, report
+from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
+from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
+
+
+def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
+    out_dir = tmp_path / "results"
+    argv = ["--model", str(tiny_hf_model_dir), "--num-prompts", "2", "--max-tokens", "4", "--runs", "1",
+            "--threads", "1", "--output-dir", str(out_dir)]
+    assert command.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert "| ours | 1 |" in printed and "| transformers | 8 |" in printed
+    (json_path,) = out_dir.glob("bench-*.json")
+    (png_path,) = out_dir.glob("bench-*.png")
+    assert png_path.read_bytes().startswith(b"\x89PNG")
+    data = json.loads(json_path.read_text())
+    assert data["correctness"]["ok"] and data["correctness"]["peer_checked"]
+    assert data["correctness"]["self_mismatches"] == {}
+    assert {"torch", "transformers", "python", "git_commit"} <= data["versions"].keys()
+    assert data["machine"]["threads"] == 1
+    ours, peer = data["systems"]["ours"], data["systems"]["transformers"]
+    assert ours["prompt_token_ids"] == peer["prompt_token_ids"]
+    for system in (ours, peer):
+        timed = [r for r in system["runs"] if not r["warmup"]]
+        assert sorted(r["concurrency"] for r in timed) == [1, 8]
+        assert all(len(o) == 4 for r in timed for o in r["outputs"])
+    assert [r["system"] for r in data["summary"]] == ["ours", "transformers"] * 2
+
+
+def test_prompt_sets(tmp_path):
+    assert len(BUILTIN_PROMPTS) == 16 and len(set(BUILTIN_PROMPTS)) == 16
+    assert load_prompts("builtin", 3)[2] == [{"role": "user", "content": BUILTIN_PROMPTS[2]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text('"hi"\n{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}\n')
+    assert [len(m) for m in load_prompts(str(path), 2)] == [1, 2]
+    with pytest.raises(ValueError, match="num-prompts"):
+        load_prompts("builtin", 17)
+
+
+def _system(name: str, outputs_by_c: dict[int, list[list[int]]], ties=()) -> SystemResult:
+    timing = RequestTiming(0.1, 0.01, 0.2, 3)
+    runs = [RunResult(c, False, 1.0, 3 * len(o), [timing] * len(o), o) for c, o in outputs_by_c.items()]
+    return SystemResult(name, {}, 1, 0.0, [[1, 2]] * 2, runs, list(ties))
+
+
+def test_mismatch_is_a_failure_unless_a_near_tie():
+    peer = _system("transformers", {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 10]]},
+                   [TieCheck(1, 1, 9, 4, [9, 4], [20.0, 20.0005])])
+    tie = _system("ours", {1: [[5, 6, 7], [8, 4, 11]], 8: [[5, 6, 7], [8, 4, 11]]})
+    result = report.check_correctness(tie, peer, [1, 8])
+    assert result.ok and [m.near_tie for m in result.peer_mismatches] == [True]
+
+    peer.tie_checks = [TieCheck(1, 1, 9, 4, [9, 4], [20.0, 19.0])]  # a clear winner: a real bug
+    assert not report.check_correctness(tie, peer, [1, 8]).ok
+
+
+def test_batch_output_must_equal_our_single_output():
+    ours = _system("ours", {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 3]]})
+    result = report.check_correctness(ours, None, [1, 8])
+    assert not result.ok and result.self_mismatches == {8: [1]}
+    rows = report.build_summaries(ours, None, [1, 8], result)
+    assert rows[1].check.startswith("FAILURE") and rows[0].speedup is None
