@@ -12,7 +12,7 @@ from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemRes
 def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
     out_dir = tmp_path / "results"
     argv = ["--model", str(tiny_hf_model_dir), "--num-prompts", "2", "--max-tokens", "4", "--runs", "1",
-            "--threads", "1", "--output-dir", str(out_dir)]
+            "--threads", "1", "--busy-retries", "0", "--quiet-wait", "0", "--output-dir", str(out_dir)]
     assert command.main(argv) == 0
 
     printed = capsys.readouterr().out
@@ -67,3 +67,24 @@ def test_batch_output_must_equal_our_single_output():
     assert not result.ok and result.self_mismatches == {8: [1]}
     rows = report.build_summaries(ours, None, [1, 8], result)
     assert rows[1].check.startswith("FAILURE") and rows[0].speedup is None
+
+
+def test_a_run_disturbed_by_other_processes_is_discarded_and_repeated(monkeypatch):
+    from specdecode.runtime.bench import schedule
+    from specdecode.runtime.bench.records import Job
+
+    readings = iter([0.0, 0.0, 0.9, 0.0])  # warm-up, run 1, run 2 (busy), run 2 again
+
+    class FakeMeter:
+        def cores(self):
+            return next(readings)
+
+    monkeypatch.setattr(schedule, "CompetingCpu", FakeMeter)
+    job = Job("m", "float32", "cpu", 1, 3, [1], runs=2, busy_retries=1, quiet_wait_s=0, prompts=[])
+    timing = RequestTiming(0.1, 0.01, 0.2, 3)
+    runs = schedule.run_schedule(
+        "ours", job, [[1], [2], [3]], lambda ids, c, warmup, tag: RunResult(c, warmup, 1.0, 3, [timing], [[7]] * len(ids))
+    )
+    assert [(r.warmup, r.discarded) for r in runs] == [(True, False), (False, False), (False, True), (False, False)]
+    result = SystemResult("ours", {}, 1, 0.0, [], runs)
+    assert len(result.timed(1)) == 2 and result.max_competing_cpu_cores == 0.0

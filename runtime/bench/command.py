@@ -21,9 +21,9 @@ from pathlib import Path
 from specdecode.runtime.bench import report
 from specdecode.runtime.bench.prompts import load_prompts
 from specdecode.runtime.bench.records import Job, SystemResult, write_json
+from specdecode.runtime.bench.schedule import BUSY_CORES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BUSY_CORES = 0.25  # competing CPU use during a timed run above which the table is flagged
 
 
 class BenchError(RuntimeError):
@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="generated per request (EOS ignored by both systems)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per concurrency, after one warm-up")
+    parser.add_argument("--busy-retries", type=int, default=3,
+                        help="repeat a timed run disturbed by other processes (> %.2f cores) up to this many times" % BUSY_CORES)
+    parser.add_argument("--quiet-wait", type=float, default=120.0,
+                        help="seconds to wait, before each timed run, for other processes to go quiet")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both systems [torch.get_num_threads()]")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -45,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.runs < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
-        print("bench: --runs, --max-tokens and --concurrency must be >= 1", file=sys.stderr)
+    if args.runs < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.busy_retries < 0 or args.quiet_wait < 0:
+        print("bench: --runs, --max-tokens and --concurrency must be >= 1; --busy-retries, --quiet-wait >= 0", file=sys.stderr)
         return 2
     concurrency = sorted(set(args.concurrency))
     job = Job(
@@ -57,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         concurrency=concurrency,
         runs=args.runs,
+        busy_retries=args.busy_retries,
+        quiet_wait_s=args.quiet_wait,
         prompts=load_prompts(args.prompts, args.num_prompts),
     )
     try:
@@ -127,7 +133,7 @@ def _warn_if_busy(systems) -> None:
     for system in systems:
         cores = system.max_competing_cpu_cores
         if cores is not None and cores > BUSY_CORES:
-            print(f"WARNING: other processes (or CPU steal) kept {cores:.1f} cores busy during a timed run of "
+            print(f"WARNING: other processes (or CPU steal) kept {cores:.2f} cores busy during a reported run of "
                   f"{system.system}: its timings are inflated; rerun on a quiet machine")
 
 
@@ -149,7 +155,9 @@ def _write_outputs(
             "transformers": "generate(): c=1 one prompt at a time; c>1 one left-padded batch per group of c; "
                             "greedy, KV cache on, eos_token_id=None",
             "tokens_per_s": "generated tokens / wall time of the run (prefill included)",
-            "statistics": f"one warm-up run, then median over {job.runs} timed runs of each run's p50",
+            "statistics": f"one warm-up run, then median over {job.runs} timed runs of each run's p50; a timed run "
+                          f"during which other processes used > {BUSY_CORES} cores is discarded and repeated "
+                          f"(up to {job.busy_retries} times)",
         },
         "prompts": job.prompts,
         "summary": [asdict(r) for r in rows],

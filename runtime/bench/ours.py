@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from specdecode.runtime.bench.prompts import Messages
-from specdecode.runtime.bench.records import Job, RequestTiming, RunResult, SystemResult, read_job, run_schedule, write_json
+from specdecode.runtime.bench.records import Job, RequestTiming, RunResult, SystemResult, read_job, write_json
+from specdecode.runtime.bench.schedule import run_schedule
 from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.sequence import SamplingParams

@@ -23,8 +23,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specdecode.runtime.bench.records import (
-    Job, RequestTiming, RunResult, SystemResult, TieCheck, read_job, run_schedule, write_json,
+    Job, RequestTiming, RunResult, SystemResult, TieCheck, read_job, write_json,
 )
+from specdecode.runtime.bench.schedule import run_schedule
 from specdecode.runtime.config import LoadConfig
 from specdecode.runtime.models import aliases
 

@@ -5,10 +5,6 @@ Torch-free, so the driving process stays light while the systems run in their su
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,8 @@ class Job:
     max_tokens: int
     concurrency: list[int]
     runs: int  # timed runs per concurrency, after one warm-up
+    busy_retries: int  # a timed run disturbed by other processes is repeated up to this many times
+    quiet_wait_s: float  # before a timed run, wait up to this long for the machine to go quiet
     prompts: list[Messages]
     prompt_token_ids: list[list[int]] | None = None  # ours tokenizes; the peer reuses its ids
     tie_check_outputs: list[list[int]] | None = None  # ours at c=1: where the peer differs, check ties
@@ -56,42 +54,12 @@ class RunResult:
     num_tokens: int  # generated tokens over all requests
     requests: list[RequestTiming]
     outputs: list[list[int]]  # generated token ids, in prompt order
-    competing_cpu_cores: float | None = None  # see CompetingCpu
+    competing_cpu_cores: float | None = None  # cores other processes kept busy meanwhile (schedule.py)
+    discarded: bool = False  # too much competing CPU: repeated, kept for the record, not reported
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.wall_s
-
-
-class CompetingCpu:
-    """How many cores the rest of the machine kept busy while we ran (other processes, plus time
-    the hypervisor stole): machine-wide busy CPU time from /proc/stat minus this process's own,
-    over the wall time. Linux only (None elsewhere). Started at construction."""
-
-    def __init__(self) -> None:
-        self._start = (_machine_busy_s(), _own_cpu_s(), time.perf_counter())
-
-    def cores(self) -> float | None:
-        busy0, own0, t0 = self._start
-        busy1 = _machine_busy_s()
-        if busy0 is None or busy1 is None:
-            return None
-        return max(0.0, (busy1 - busy0) - (_own_cpu_s() - own0)) / (time.perf_counter() - t0)
-
-
-def _machine_busy_s() -> float | None:
-    stat = Path("/proc/stat")
-    if not stat.exists():
-        return None
-    # cpu  user nice system idle iowait irq softirq steal guest guest_nice (guest is inside user)
-    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 @dataclass
@@ -127,11 +95,12 @@ class SystemResult:
 
     @property
     def max_competing_cpu_cores(self) -> float | None:
-        values = [r.competing_cpu_cores for r in self.runs if not r.warmup and r.competing_cpu_cores is not None]
+        values = [r.competing_cpu_cores for c in {r.concurrency for r in self.runs} for r in self.timed(c)
+                  if r.competing_cpu_cores is not None]
         return max(values, default=None)
 
     def timed(self, concurrency: int) -> list[RunResult]:
-        return [r for r in self.runs if r.concurrency == concurrency and not r.warmup]
+        return [r for r in self.runs if r.concurrency == concurrency and not r.warmup and not r.discarded]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,27 +112,6 @@ class SystemResult:
         ]
         ties = [TieCheck(**t) for t in data["tie_checks"]]
         return cls(**{**data, "runs": runs, "tie_checks": ties})
-
-
-RunOnce = Callable[[list[list[int]], int, bool, str], RunResult]  # (prompt ids, concurrency, warmup, tag)
-
-
-def run_schedule(system: str, job: Job, prompt_ids: list[list[int]], run_once: RunOnce) -> list[RunResult]:
-    """Per concurrency: one warm-up run over the first max(2, c) prompts, then ``job.runs`` timed
-    runs over all of them, each measured for competing CPU use and logged to stderr."""
-    runs = []
-    for c in job.concurrency:
-        for r in range(job.runs + 1):
-            warmup = r == 0
-            meter = CompetingCpu()
-            result = run_once(prompt_ids[: max(2, c)] if warmup else prompt_ids, c, warmup, f"c{c}r{r}")
-            result.competing_cpu_cores = meter.cores()
-            runs.append(result)
-            label = "warm-up" if warmup else f"run {r}/{job.runs}"
-            others = f", others {result.competing_cpu_cores:.2f} cores" if result.competing_cpu_cores is not None else ""
-            print(f"[{system}] c={c} {label}: {result.tokens_per_s:.1f} tok/s ({result.wall_s:.1f} s{others})",
-                  file=sys.stderr, flush=True)
-    return runs
 
 
 def write_json(path: Path, data: Any) -> None:
