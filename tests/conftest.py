@@ -371,3 +371,34 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.fixture(scope="session")
 def chi_square_p_value():
     return _chi_square_p_value
+
+
+# Prompts whose continuations repeat their own text: where n-gram and suffix proposers draft well.
+REPETITIVE = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "The quick brown fox",
+    "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>cherry</li>\n  <li>",
+    "Q: What is 2+2?\nA: 4\nQ: What is 3+3?\nA: 6\nQ: What is 4+4?\nA:",
+    "Once upon a time",
+    "SELECT name, age FROM users WHERE age > 30;\nSELECT name, age FROM users WHERE",
+]
+
+
+@pytest.fixture(scope="session")
+def rep_greedy():
+    from specdecode.runtime.engine.sequence import SamplingParams
+
+    return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def smol_rep(smollm2):
+    return [smollm2.tokenizer.encode(p) for p in REPETITIVE]
+
+
+@pytest.fixture(scope="session")
+def smol_nospec(smollm2, smol_rep, make_engine, run_all, rep_greedy):
+    """The no-speculation greedy outputs of ``smol_rep`` as one batch: what every proposer must equal."""
+    return run_all(make_engine(smollm2.model, smollm2.tokenizer), smol_rep, rep_greedy)

@@ -11,35 +11,13 @@ from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.engine.verifier import Verifier
 
-REPETITIVE = [
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
-    "The quick brown fox",
-    "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>cherry</li>\n  <li>",
-    "Q: What is 2+2?\nA: 4\nQ: What is 3+3?\nA: 6\nQ: What is 4+4?\nA:",
-    "Once upon a time",
-    "SELECT name, age FROM users WHERE age > 30;\nSELECT name, age FROM users WHERE",
-]
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LOSSLESS = ["greedy", "target_match", "rejection"]
 
-
-@pytest.fixture(scope="module")
-def smol_rep(smollm2):
-    return [smollm2.tokenizer.encode(p) for p in REPETITIVE]
-
-
-@pytest.fixture(scope="module")
-def smol_nospec(smollm2, smol_rep, make_engine, run_all):
-    return run_all(make_engine(smollm2.model, smollm2.tokenizer), smol_rep, GREEDY)
-
-
 @pytest.mark.parametrize("verify", LOSSLESS)
-def test_ngram_greedy_equals_no_spec_batch_of_8(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify):
+def test_ngram_greedy_equals_no_spec_batch_of_8(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify, rep_greedy):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "verify": verify, "prompt_lookup_max": 3}
     engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec)
-    got = run_all(engine, smol_rep, GREEDY)
+    got = run_all(engine, smol_rep, rep_greedy)
     for prompt, expected, actual in zip(smol_rep, smol_nospec, got):
         assert_greedy_match(smollm2.model, prompt, expected, actual)
     stats = engine.stats()
@@ -48,17 +26,17 @@ def test_ngram_greedy_equals_no_spec_batch_of_8(smollm2, smol_rep, smol_nospec, 
 
 
 @pytest.mark.parametrize("verify", LOSSLESS)
-def test_ngram_greedy_equals_no_spec_alone(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify):
+def test_ngram_greedy_equals_no_spec_alone(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify, rep_greedy):
     spec = {"method": "ngram", "num_speculative_tokens": 5, "verify": verify}
     for i in (0, 2):
-        got = run_all(make_engine(smollm2.model, smollm2.tokenizer, spec=spec), [smol_rep[i]], GREEDY)[0]
+        got = run_all(make_engine(smollm2.model, smollm2.tokenizer, spec=spec), [smol_rep[i]], rep_greedy)[0]
         assert_greedy_match(smollm2.model, smol_rep[i], smol_nospec[i], got)
 
 
-def test_speculation_under_chunked_prefill_and_preemption(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match):
+def test_speculation_under_chunked_prefill_and_preemption(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, rep_greedy):
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec, budget=24, num_blocks=26, block_size=8)
-    got = run_all(engine, smol_rep, GREEDY)
+    got = run_all(engine, smol_rep, rep_greedy)
     for prompt, expected, actual in zip(smol_rep, smol_nospec, got):
         assert_greedy_match(smollm2.model, prompt, expected, actual)
     assert engine.scheduler.num_preemptions > 0 and engine.stats().spec_decode_num_accepted_tokens > 0

@@ -224,30 +224,11 @@ def test_build_proposer_and_config_validation():
 
 # --- end to end: greedy equivalence with the no-spec output ---
 
-REPETITIVE = [
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
-    "SELECT name, age FROM users WHERE age > 30;\nSELECT name, age FROM users WHERE",
-]
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def smol_rep(smollm2):
-    return [smollm2.tokenizer.encode(p) for p in REPETITIVE]
-
-
-@pytest.fixture(scope="module")
-def smol_nospec(smollm2, smol_rep, make_engine, run_all):
-    return run_all(make_engine(smollm2.model, smollm2.tokenizer), smol_rep, GREEDY)
-
-
 @pytest.mark.parametrize("verify", ["greedy", "rejection"])
-def test_suffix_greedy_equals_no_spec(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify):
+def test_suffix_greedy_equals_no_spec(smollm2, smol_rep, smol_nospec, make_engine, run_all, assert_greedy_match, verify, rep_greedy):
     spec = {"method": "suffix", "num_speculative_tokens": 4, "verify": verify}
     engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec)
-    got = run_all(engine, smol_rep, GREEDY)
+    got = run_all(engine, smol_rep, rep_greedy)
     for prompt, expected, actual in zip(smol_rep, smol_nospec, got):
         assert_greedy_match(smollm2.model, prompt, expected, actual)
     stats = engine.stats()
