@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from specdecode.runtime.bench import command, report
+from specdecode.runtime.bench import command, correctness, report
 from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
 from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
+from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, build_systems
 
 
 def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
@@ -16,22 +17,23 @@ def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
     assert command.main(argv) == 0
 
     printed = capsys.readouterr().out
-    assert "| ours | 1 |" in printed and "| transformers | 8 |" in printed
+    assert f"| {NOSPEC} | 1 |" in printed and f"| {PEER_PLAIN} | 8 |" in printed
     (json_path,) = out_dir.glob("bench-*.json")
     (png_path,) = out_dir.glob("bench-*.png")
     assert png_path.read_bytes().startswith(b"\x89PNG")
     data = json.loads(json_path.read_text())
-    assert data["correctness"]["ok"] and data["correctness"]["peer_checked"]
-    assert data["correctness"]["self_mismatches"] == {}
+    assert data["correctness"]["ok"] and data["correctness"]["mismatches"] == []
+    assert data["correctness"]["references"] == {f"{NOSPEC}@1": PEER_PLAIN, f"{NOSPEC}@8": f"{NOSPEC} c=1"}
     assert {"torch", "transformers", "python", "git_commit"} <= data["versions"].keys()
     assert data["machine"]["threads"] == 1
-    ours, peer = data["systems"]["ours"], data["systems"]["transformers"]
+    ours, peer = data["systems"][NOSPEC], data["systems"][PEER_PLAIN]
     assert ours["prompt_token_ids"] == peer["prompt_token_ids"]
     for system in (ours, peer):
         timed = [r for r in system["runs"] if not r["warmup"]]
         assert sorted(r["concurrency"] for r in timed) == [1, 8]
         assert all(len(o) == 4 for r in timed for o in r["outputs"])
-    assert [r["system"] for r in data["summary"]] == ["ours", "transformers"] * 2
+    assert [r["system"] for r in data["summary"]] == [NOSPEC, PEER_PLAIN] * 2
+    assert data["truncation"]["keep_tokens"] == 2048 - 4 and data["truncation"]["note"].startswith("0 of 2")
 
 
 def test_prompt_sets(tmp_path):
@@ -51,22 +53,24 @@ def _system(name: str, outputs_by_c: dict[int, list[list[int]]], ties=()) -> Sys
 
 
 def test_mismatch_is_a_failure_unless_a_near_tie():
-    peer = _system("transformers", {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 10]]},
+    systems = build_systems(["none"], 4, None, [1, 8])
+    peer = _system(PEER_PLAIN, {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 10]]},
                    [TieCheck(1, 1, 9, 4, [9, 4], [20.0, 20.0005])])
-    tie = _system("ours", {1: [[5, 6, 7], [8, 4, 11]], 8: [[5, 6, 7], [8, 4, 11]]})
-    result = report.check_correctness(tie, peer, [1, 8])
-    assert result.ok and [m.near_tie for m in result.peer_mismatches] == [True]
+    tie = _system(NOSPEC, {1: [[5, 6, 7], [8, 4, 11]], 8: [[5, 6, 7], [8, 4, 11]]})
+    result = correctness.check(systems, {NOSPEC: tie, PEER_PLAIN: peer})
+    assert result.ok and [m.near_tie for m in result.mismatches] == [True]
 
     peer.tie_checks = [TieCheck(1, 1, 9, 4, [9, 4], [20.0, 19.0])]  # a clear winner: a real bug
-    assert not report.check_correctness(tie, peer, [1, 8]).ok
+    assert not correctness.check(systems, {NOSPEC: tie, PEER_PLAIN: peer}).ok
 
 
 def test_batch_output_must_equal_our_single_output():
-    ours = _system("ours", {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 3]]})
-    result = report.check_correctness(ours, None, [1, 8])
-    assert not result.ok and result.self_mismatches == {8: [1]}
-    rows = report.build_summaries(ours, None, [1, 8], result)
-    assert rows[1].check.startswith("FAILURE") and rows[0].speedup is None
+    systems = build_systems(["none"], 4, None, [1, 8], with_peer=False)
+    ours = _system(NOSPEC, {1: [[5, 6, 7], [8, 9, 10]], 8: [[5, 6, 7], [8, 9, 3]]})
+    result = correctness.check(systems, {NOSPEC: ours})
+    assert not result.ok and [(m.concurrency, m.prompt_index) for m in result.mismatches] == [(8, 1)]
+    rows = report.build_summaries(systems, {NOSPEC: ours}, result)
+    assert rows[1].check.startswith("MISMATCH") and rows[0].vs_peer is None
 
 
 def test_a_run_disturbed_by_other_processes_is_discarded_and_repeated(monkeypatch):
@@ -80,7 +84,7 @@ def test_a_run_disturbed_by_other_processes_is_discarded_and_repeated(monkeypatc
             return next(readings)
 
     monkeypatch.setattr(schedule, "CompetingCpu", FakeMeter)
-    job = Job("m", "float32", "cpu", 1, 3, [1], runs=2, busy_retries=1, quiet_wait_s=0, prompts=[])
+    job = Job("ours", "m", "float32", "cpu", 1, 3, [1], runs=2, busy_retries=1, quiet_wait_s=0, prompts=[])
     timing = RequestTiming(0.1, 0.01, 0.2, 3)
     runs = schedule.run_schedule(
         "ours", job, [[1], [2], [3]], lambda ids, c, warmup, tag: RunResult(c, warmup, 1.0, 3, [timing], [[7]] * len(ids))

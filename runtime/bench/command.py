@@ -1,7 +1,9 @@
-"""``specdecode bench``: run our engine, then transformers, each in its own subprocess; check that
-their outputs agree, print a table, write JSON and a plot under ``--output-dir``.
+"""``specdecode bench``: run our engine (without and with speculation), then transformers, each
+system in its own subprocess (``systems.py``); check that their outputs agree, print a table,
+write JSON and plots under ``--output-dir``.
 
-Exit status: 0 when every output check passes, 1 when one fails, 2 when a system fails to run.
+Exit status: 0 when every output check passes, 1 when one fails, 2 when a system fails to run or
+its data or model is not installed.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
 
-from specdecode.runtime.bench import report
-from specdecode.runtime.bench.prompts import load_prompts
-from specdecode.runtime.bench.records import Job, SystemResult, write_json
+from specdecode.runtime.bench import acceptance, correctness, report
+from specdecode.runtime.bench.prompts import PROMPT_SET_NAMES, load_prompts
+from specdecode.runtime.bench.records import Job, SystemResult, Truncation, write_json
 from specdecode.runtime.bench.schedule import BUSY_CORES
+from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, METHODS, NOSPEC, PEER_PLAIN, System, build_systems
+from specdecode.runtime.config import LoadConfig
+from specdecode.runtime.models import aliases
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +37,16 @@ class BenchError(RuntimeError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="alias (smollm2-135m, qwen2.5-coder-1.5b), GGUF file or HF folder")
-    parser.add_argument("--prompts", default="builtin", help="'builtin' (16 chat/code prompts) or a JSON/JSONL file")
+    parser.add_argument("--prompts", default="builtin",
+                        help=f"{' | '.join(PROMPT_SET_NAMES)} (fixed subsets, see datasets.py) or a JSON/JSONL file")
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64, help="generated per request (EOS ignored by both systems)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="generated per request (EOS ignored by every system)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length [the model's]; longer prompts keep their last (max-model-len − max-tokens) tokens")
+    parser.add_argument("--method", nargs="+", default=["none"], choices=METHODS,
+                        help="speculative methods to measure against ours-nospec and transformers (several allowed)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K for every method and peer")
+    parser.add_argument("--draft-model", default=None, help="draft: alias, GGUF file or HF folder (e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per concurrency, after one warm-up")
     parser.add_argument("--busy-retries", type=int, default=3,
@@ -52,32 +64,62 @@ def run(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.busy_retries < 0 or args.quiet_wait < 0:
         print("bench: --runs, --max-tokens and --concurrency must be >= 1; --busy-retries, --quiet-wait >= 0", file=sys.stderr)
         return 2
-    concurrency = sorted(set(args.concurrency))
-    job = Job(
+    try:
+        systems = build_systems(args.method, args.num_speculative_tokens, args.draft_model, args.concurrency, not args.skip_peer)
+        job = _base_job(args)
+        _check_models_installed(args.model, args.draft_model if "draft" in args.method else None)
+    except (FileNotFoundError, ValueError) as exc:  # MissingData is a FileNotFoundError
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        results = _run_systems(systems, job)
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    checked = correctness.check(systems, results)
+    rows = report.build_summaries(systems, results, checked)
+    truncation = results[NOSPEC].truncation
+    print(report.format_table(rows, args.num_speculative_tokens))
+    if truncation is not None:
+        print(f"\nprompts ({args.prompts}): {truncation.note()}")
+    _print_correctness(checked)
+    _warn_if_busy(results.values())
+    paths = _write_outputs(args, job, systems, results, rows, checked, truncation)
+    print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    return 0 if checked.ok else 1
+
+
+def _base_job(args: argparse.Namespace) -> Job:
+    return Job(
+        system="",
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         threads=args.threads or _default_threads(),
         max_tokens=args.max_tokens,
-        concurrency=concurrency,
+        concurrency=[],
         runs=args.runs,
         busy_retries=args.busy_retries,
         quiet_wait_s=args.quiet_wait,
         prompts=load_prompts(args.prompts, args.num_prompts),
+        max_model_len=args.max_model_len,
+        num_speculative_tokens=args.num_speculative_tokens,
+        assistant_model=args.draft_model,
     )
-    try:
-        ours, peer = _run_systems(job, args.skip_peer)
-    except BenchError as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    correctness = report.check_correctness(ours, peer, concurrency)
-    rows = report.build_summaries(ours, peer, concurrency, correctness)
-    print(report.format_table(rows))
-    _print_correctness(correctness, concurrency)
-    _warn_if_busy(s for s in (ours, peer) if s is not None)
-    json_path, png_path = _write_outputs(args, job, ours, peer, rows, correctness)
-    print(f"\nwrote {json_path} and {png_path}")
-    return 0 if correctness.ok else 1
+
+
+def _check_models_installed(*models: str | None) -> None:
+    """Fail before any subprocess starts when an alias's packages are missing (and join split
+    GGUFs once, where every system will look for them)."""
+    for model in models:
+        if model is None or not aliases.is_alias(model):
+            continue
+        try:
+            with aliases.alias_gguf(model, LoadConfig().weight_cache_dir):
+                pass
+        except FileNotFoundError as exc:
+            hint = "scripts/bench_data.sh --qwen" if model.startswith("qwen") else "scripts/bootstrap.sh"
+            raise FileNotFoundError(f"{exc}; or run {hint}") from None
 
 
 def _default_threads() -> int:
@@ -86,47 +128,51 @@ def _default_threads() -> int:
     return torch.get_num_threads()
 
 
-def _run_systems(job: Job, skip_peer: bool) -> tuple[SystemResult, SystemResult | None]:
+def _run_systems(systems: list[System], base: Job) -> dict[str, SystemResult]:
+    """In order; ``ours-nospec`` tokenizes first and every later system gets its token ids;
+    ``transformers-plain`` (last) gets every other system's concurrency-1 outputs to tie-check."""
+    results: dict[str, SystemResult] = {}
     with tempfile.TemporaryDirectory(prefix="specdecode-bench-") as tmp:
-        ours = _run_subprocess("ours", job, Path(tmp))
-        if skip_peer:
-            return ours, None
-        single = ours.timed(1)
-        peer_job = replace(
-            job, prompt_token_ids=ours.prompt_token_ids, tie_check_outputs=single[0].outputs if single else None
-        )
-        return ours, _run_subprocess("peer_hf", peer_job, Path(tmp))
+        for system in systems:
+            job = replace(
+                base, system=system.name, concurrency=list(system.concurrency), speculative=system.speculative,
+                peer_mode=system.peer_mode,
+                prompt_token_ids=results[NOSPEC].prompt_token_ids if NOSPEC in results else None,
+                tie_check_outputs=_single_outputs(results) if system.name == PEER_PLAIN else None,
+            )
+            results[system.name] = _run_subprocess(system.runner, job, Path(tmp))
+    return results
+
+
+def _single_outputs(results: dict[str, SystemResult]) -> dict[str, list[list[int]]]:
+    return {name: runs[0].outputs for name, r in results.items() if (runs := r.timed(1))}
 
 
 def _run_subprocess(module: str, job: Job, tmp: Path) -> SystemResult:
     """One system in a fresh interpreter, so only one model is in memory at a time."""
-    job_path, out_path = tmp / f"{module}-job.json", tmp / f"{module}-result.json"
+    job_path, out_path = tmp / f"{job.system}-job.json", tmp / f"{job.system}-result.json"
     write_json(job_path, asdict(job))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-P", "-m", f"specdecode.runtime.bench.{module}", str(job_path), str(out_path)]
     proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0 or not out_path.exists():
-        raise BenchError(f"{module} exited with status {proc.returncode} (its error is above)")
+        raise BenchError(f"{job.system} exited with status {proc.returncode} (its error is above)")
     return SystemResult.from_json(json.loads(out_path.read_text(encoding="utf-8")))
 
 
-def _print_correctness(c: report.Correctness, concurrency: list[int]) -> None:
+def _print_correctness(c: correctness.Correctness) -> None:
     print()
-    if c.self_checked:
-        for conc in (x for x in concurrency if x != 1):
-            bad = c.self_mismatches.get(conc, [])
-            print(f"concurrency {conc}, ours vs ours at concurrency 1: {len(bad)} prompt(s) differ {bad or ''}")
-    if c.peer_checked:
-        print(f"concurrency 1, ours vs transformers: {len(c.peer_mismatches)} prompt(s) differ")
-        for m in c.peer_mismatches:
-            gap = f"{m.relative_gap:.2e}" if m.relative_gap is not None else "n/a"
-            verdict = "near-tie" if m.near_tie else "FAILURE"
-            print(f"  prompt {m.prompt_index} token {m.position}: ours {m.ours_token}, transformers {m.peer_token}, "
-                  f"top-2 relative gap {gap} → {verdict}")
+    for m in c.mismatches:
+        gap = f"{m.relative_gap:.2e}" if m.relative_gap is not None else "n/a"
+        verdict = "near-tie" if m.near_tie else "MISMATCH"
+        print(f"{m.system} c={m.concurrency} prompt {m.prompt_index} token {m.position}: {m.token}, {m.reference} "
+              f"{m.reference_token}, top-2 relative gap {gap} → {verdict}")
     for conc, prompts in c.peer_batch_differs.items():
         print(f"(info) transformers' left-padded batch at c={conc} differs from its own c=1 on prompts {prompts}")
     for failure in c.failures:
         print(f"FAILURE: {failure}")
+    if c.ok:
+        print(f"outputs: every check passed ({len(c.mismatches)} proven near-ties)")
 
 
 def _warn_if_busy(systems) -> None:
@@ -138,40 +184,51 @@ def _warn_if_busy(systems) -> None:
 
 
 def _write_outputs(
-    args: argparse.Namespace, job: Job, ours: SystemResult, peer: SystemResult | None,
-    rows: list[report.Summary], correctness: report.Correctness,
-) -> tuple[Path, Path]:
+    args: argparse.Namespace, job: Job, systems: list[System], results: dict[str, SystemResult],
+    rows: list[report.Summary], checked: correctness.Correctness, truncation: Truncation | None,
+) -> tuple[Path, ...]:
     out_dir: Path = args.output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name or args.model)
+    parts = [Path(args.model).name or args.model, Path(args.prompts).stem, *[m for m in args.method if m != "none"]]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
     json_path, png_path = out_dir / f"bench-{slug}.json", out_dir / f"bench-{slug}.png"
     data = {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "versions": _versions(ours, peer),
+        "versions": _versions(results.values()),
         "machine": _machine(job.threads),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not callable(v)},
         "method": {
             "ours": "in-process LLMEngine, closed loop (c requests in flight), greedy, ignore_eos, prefix caching off",
             "transformers": "generate(): c=1 one prompt at a time; c>1 one left-padded batch per group of c; "
-                            "greedy, KV cache on, eos_token_id=None",
+                            "greedy, KV cache on, eos_token_id=None; prompt-lookup and assisted at c=1 only "
+                            "(transformers supports batch size 1 only there), same K, constant schedule",
             "tokens_per_s": "generated tokens / wall time of the run (prefill included)",
             "statistics": f"one warm-up run, then median over {job.runs} timed runs of each run's p50; a timed run "
                           f"during which other processes used > {BUSY_CORES} cores is discarded and repeated "
                           f"(up to {job.busy_retries} times)",
+            "acceptance": acceptance.__doc__.strip(),
+            "load_control_on": LOAD_CONTROL_ON.model_dump(mode="json"),
         },
+        "truncation": {**asdict(truncation), "note": truncation.note()} if truncation else None,
         "prompts": job.prompts,
+        "plan": [asdict(s) for s in systems],
         "summary": [asdict(r) for r in rows],
-        "correctness": report.correctness_json(correctness),
-        "systems": {s.system: s.to_json() for s in (ours, peer) if s is not None},
+        "correctness": checked.to_json(),
+        "systems": {name: r.to_json() for name, r in results.items()},
     }
     write_json(json_path, data)
-    title = f"{args.model}, {args.dtype}, {job.threads} threads, {len(job.prompts)} prompts × {job.max_tokens} tokens"
+    title = f"{args.model}, {args.prompts}, {len(job.prompts)} prompts × {job.max_tokens} tokens, {job.threads} threads"
     report.plot_throughput(rows, png_path, title)
-    return json_path, png_path
+    curves = {f"{r.system} c={r.concurrency}": r.acceptance.per_position for r in rows if r.acceptance}
+    if not curves:
+        return json_path, png_path
+    acc_path = out_dir / f"bench-{slug}-acceptance.png"
+    acceptance.plot_per_position(curves, args.num_speculative_tokens, acc_path, title)
+    return json_path, png_path, acc_path
 
 
-def _versions(ours: SystemResult, peer: SystemResult | None) -> dict[str, object]:
-    versions: dict[str, object] = {**ours.versions, **(peer.versions if peer else {})}
+def _versions(results) -> dict[str, object]:
+    versions: dict[str, object] = {k: v for r in results for k, v in r.versions.items()}
     versions["specdecode"] = metadata.version("specdecode")
     versions["git_commit"] = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain")

@@ -5,6 +5,9 @@ It applies the chat template and tokenizes the prompts (the peer then reuses the
 and at each concurrency c keeps c requests in flight, adding the next prompt as soon as one
 finishes. Greedy, ``ignore_eos`` so every request generates exactly ``max_tokens`` tokens.
 Prefix caching is off: every timed run repeats the same prompts, and the peer has no such cache.
+Prompts longer than max-model-len − max-tokens keep their last tokens (``Truncation``). With
+speculation, each run records the engine's own acceptance counters (the ``/metrics`` ones).
+The KV pool is sized so the largest concurrency never preempts.
 """
 from __future__ import annotations
 
@@ -17,11 +20,15 @@ from pathlib import Path
 import torch
 
 from specdecode.runtime.bench.prompts import Messages
-from specdecode.runtime.bench.records import Job, RequestTiming, RunResult, SystemResult, read_job, write_json
+from specdecode.runtime.bench.records import (
+    Job, RequestTiming, RunResult, SystemResult, Truncation, read_job, write_json,
+)
 from specdecode.runtime.bench.schedule import run_schedule
-from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 from specdecode.runtime.engine.llm_engine import LLMEngine
-from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.engine.sequence import SamplingParams, SpecCounts
+
+BLOCK_SIZE = 16
 
 
 def encode_prompts(tokenizer, prompts: list[Messages]) -> list[list[int]]:
@@ -29,19 +36,49 @@ def encode_prompts(tokenizer, prompts: list[Messages]) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.apply_chat_template(m, add_generation_prompt=True), add_special_tokens=False) for m in prompts]
 
 
-def build_engine(job: Job) -> tuple[LLMEngine, object, float]:
+def truncate(prompt_ids: list[list[int]], max_model_len: int, max_tokens: int) -> tuple[list[list[int]], Truncation]:
+    """Keep each prompt's last (max_model_len − max_tokens) token ids."""
+    keep = max_model_len - max_tokens
+    if keep < 1:
+        raise ValueError(f"max-tokens ({max_tokens}) must be below max-model-len ({max_model_len})")
+    return [ids[-keep:] for ids in prompt_ids], Truncation(max_model_len, keep, [len(ids) for ids in prompt_ids])
+
+
+def build_engine(job: Job) -> tuple[LLMEngine, list[list[int]], Truncation, float]:
+    """Load the model, tokenize and truncate the prompts, then size the KV pool for them."""
     from specdecode.runtime.models.loader import load_model
 
     start = time.perf_counter()
     load = LoadConfig(model=job.model, dtype=job.dtype, device=job.device)
     loaded = load_model(load)
+    max_model_len = min(job.max_model_len or loaded.max_model_len, loaded.config.max_position_embeddings)
+    prompt_ids, truncation = truncate(encode_prompts(loaded.tokenizer, job.prompts), max_model_len, job.max_tokens)
+    longest = max(len(p) for p in prompt_ids) + job.max_tokens + 1
     cfg = EngineConfig(
         load=load,
-        cache=CacheConfig(enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=max(32, *job.concurrency)),
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE, enable_prefix_caching=False,
+            num_blocks=max(job.concurrency) * -(-longest // BLOCK_SIZE) + 1,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=max(32, *job.concurrency), max_model_len=max_model_len),
+        speculative=SpeculativeConfig.model_validate(job.speculative or {}),
     )
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
-    return engine, loaded.tokenizer, time.perf_counter() - start
+    return engine, prompt_ids, truncation, time.perf_counter() - start
+
+
+def spec_counts(engine: LLMEngine) -> SpecCounts:
+    """The engine's cumulative acceptance counters (what ``/metrics`` exports)."""
+    s = engine.stats()
+    return SpecCounts(s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens,
+                      list(s.spec_decode_num_accepted_tokens_per_pos))
+
+
+def counts_since(before: SpecCounts, after: SpecCounts) -> SpecCounts:
+    per_pos = [n - (before.accepted_per_position[i] if i < len(before.accepted_per_position) else 0)
+               for i, n in enumerate(after.accepted_per_position)]
+    return SpecCounts(after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+                      after.num_accepted_tokens - before.num_accepted_tokens, per_pos)
 
 
 def run_closed_loop(
@@ -61,6 +98,7 @@ def run_closed_loop(
         started[i] = time.perf_counter()
         engine.add_request(request_id, prompt_ids[i], params)
 
+    spec_before = spec_counts(engine)
     t0 = time.perf_counter()
     while pending and len(engine.requests) < concurrency:
         admit()
@@ -77,19 +115,19 @@ def run_closed_loop(
             admit()
     wall = time.perf_counter() - t0
     timings = [RequestTiming.from_arrivals(started[i], arrivals[i]) for i in range(len(prompt_ids))]
-    return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs)
+    spec = counts_since(spec_before, spec_counts(engine)) if engine.proposer is not None else None
+    return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs, spec=spec)
 
 
 def run_job(job: Job) -> SystemResult:
     torch.set_num_threads(job.threads)
-    engine, tokenizer, load_s = build_engine(job)
-    prompt_ids = encode_prompts(tokenizer, job.prompts)
+    engine, prompt_ids, truncation, load_s = build_engine(job)
     runs = run_schedule(
-        "ours", job, prompt_ids,
+        job.system, job, prompt_ids,
         lambda ids, c, warmup, tag: run_closed_loop(engine, ids, job.max_tokens, c, warmup, tag),
     )
     versions = {"torch": torch.__version__, "python": platform.python_version()}
-    return SystemResult("ours", versions, torch.get_num_threads(), load_s, prompt_ids, runs)
+    return SystemResult(job.system, versions, torch.get_num_threads(), load_s, prompt_ids, runs, truncation=truncation)
 
 
 def main(argv: list[str]) -> int:

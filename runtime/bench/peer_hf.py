@@ -7,6 +7,11 @@ by removing it from the generation config (``eos_token_id=None``) rather than wi
 systems generate exactly ``max_tokens`` tokens. Concurrency 1 runs one prompt at a time;
 concurrency c > 1 runs one left-padded batch (with its attention mask) per group of c prompts.
 A streamer timestamps each generated token, for TTFT and ITL.
+
+``job.peer_mode`` picks transformers' equivalent of our proposers: ``prompt-lookup``
+(``prompt_lookup_num_tokens=K``, ``max_matching_ngram_size`` = our n-gram window's top) or
+``assisted`` (``assistant_model=`` the draft, ``num_assistant_tokens=K`` on a constant schedule
+with no confidence cut-off: the same fixed-K algorithm as ours). Both are batch-size-1 only.
 """
 from __future__ import annotations
 
@@ -33,15 +38,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ArrivalStreamer(BaseStreamer):
-    """Records when each generation step's tokens arrive (``generate`` first puts the prompt)."""
+    """Records when each generation step's tokens arrive, and how many per sequence
+    (``generate`` first puts the prompt; a plain step puts ``[B]``, an assisted step ``[1, n]``)."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.arrivals: list[tuple[float, int]] = []
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if self._prompt_seen:
-            self.times.append(time.perf_counter())
+            self.arrivals.append((time.perf_counter(), value.shape[-1] if value.dim() == 2 else 1))
         self._prompt_seen = True
 
     def end(self) -> None:
@@ -60,11 +66,16 @@ def peer_source(model: str) -> Iterator[tuple[Path, str | None]]:
     yield (path, None) if path.is_dir() else (path.parent, path.name)
 
 
-def load_peer(job: Job) -> AutoModelForCausalLM:
-    with peer_source(job.model) as (folder, gguf_file):
+def load_model(name: str, job: Job) -> AutoModelForCausalLM:
+    with peer_source(name) as (folder, gguf_file):
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[job.dtype], **extra)
-    model = model.to(job.device).eval()
+    return model.to(job.device).eval()
+
+
+def load_peer(job: Job) -> tuple[AutoModelForCausalLM, dict]:
+    """The target model, and the extra ``generate`` arguments of ``job.peer_mode``."""
+    model = load_model(job.model, job)
     pad = model.generation_config.pad_token_id
     # Replace the checkpoint's generation defaults wholesale: greedy, KV cache, no EOS stop.
     model.generation_config = GenerationConfig(
@@ -74,67 +85,82 @@ def load_peer(job: Job) -> AutoModelForCausalLM:
         pad_token_id=0 if pad is None else pad,
         use_cache=True,
     )
-    return model
+    if job.peer_mode == "plain":
+        return model, {}
+    if job.peer_mode == "prompt-lookup":
+        return model, {"prompt_lookup_num_tokens": job.num_speculative_tokens, "max_matching_ngram_size": job.prompt_lookup_max}
+    if job.peer_mode == "assisted" and job.assistant_model:
+        assistant = load_model(job.assistant_model, job)
+        assistant.generation_config = GenerationConfig(
+            do_sample=False, eos_token_id=None, pad_token_id=model.generation_config.pad_token_id, use_cache=True,
+            num_assistant_tokens=job.num_speculative_tokens, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
+        return model, {"assistant_model": assistant}
+    raise ValueError(f"unknown peer mode {job.peer_mode!r} (assisted needs an assistant model)")
 
 
 @torch.inference_mode()
-def generate_group(model, job: Job, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
-    """One ``generate`` call over a left-padded batch; returns generated ids and token arrival times."""
+def generate_group(
+    model, job: Job, prompts: list[list[int]], extra: dict
+) -> tuple[list[list[int]], list[tuple[float, int]]]:
+    """One ``generate`` call over a left-padded batch; returns generated ids and token arrivals."""
     width = max(len(p) for p in prompts)
     pad = model.generation_config.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=job.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=job.device)
     streamer = ArrivalStreamer()
-    out = model.generate(input_ids, attention_mask=mask, streamer=streamer)
+    out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **extra)
     generated = out[:, width:].tolist()
     if any(len(g) != job.max_tokens for g in generated):
         raise RuntimeError(f"transformers generated {[len(g) for g in generated]} tokens, not {job.max_tokens}")
-    return generated, streamer.times
+    return generated, streamer.arrivals
 
 
-def run_batched(model, job: Job, prompt_ids: list[list[int]], concurrency: int, warmup: bool) -> RunResult:
+def run_batched(model, job: Job, extra: dict, prompt_ids: list[list[int]], concurrency: int, warmup: bool) -> RunResult:
     outputs: list[list[int]] = []
     timings: list[RequestTiming] = []
     t0 = time.perf_counter()
     for first in range(0, len(prompt_ids), concurrency):
         start = time.perf_counter()
-        generated, times = generate_group(model, job, prompt_ids[first : first + concurrency])
+        generated, arrivals = generate_group(model, job, prompt_ids[first : first + concurrency], extra)
         outputs += generated
-        timings += [RequestTiming.from_arrivals(start, [(t, 1) for t in times]) for _ in generated]
+        timings += [RequestTiming.from_arrivals(start, arrivals) for _ in generated]
     wall = time.perf_counter() - t0
     return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs)
 
 
 @torch.inference_mode()
 def tie_checks(model, job: Job, prompt_ids: list[list[int]], reference: list[list[int]]) -> list[TieCheck]:
-    """For each prompt where the other system's output (``job.tie_check_outputs``) differs from this
+    """For each prompt where another system's output (``job.tie_check_outputs``) differs from this
     model's (``reference``), this model's top-2 logits at the first differing position, computed
-    over prompt + the common prefix."""
-    checks = []
-    for i, (ref, other) in enumerate(zip(reference, job.tie_check_outputs or [])):
-        pos = next((p for p, (a, b) in enumerate(zip(ref, other)) if a != b), None)
-        if pos is None:
-            continue
-        ids = torch.tensor([prompt_ids[i] + ref[:pos]], device=job.device)
-        logits = model(ids).logits[0, -1].float()  # [vocab]
-        top = torch.topk(logits, 2)
-        checks.append(TieCheck(i, pos, ref[pos], other[pos], top.indices.tolist(), top.values.tolist()))
-    return checks
+    over prompt + the common prefix. One check per (prompt, position, other token)."""
+    checks: dict[tuple[int, int, int], TieCheck] = {}
+    for other_outputs in (job.tie_check_outputs or {}).values():
+        for i, (ref, other) in enumerate(zip(reference, other_outputs)):
+            pos = next((p for p, (a, b) in enumerate(zip(ref, other)) if a != b), None)
+            if pos is None or (i, pos, other[pos]) in checks:
+                continue
+            ids = torch.tensor([prompt_ids[i] + ref[:pos]], device=job.device)
+            logits = model(ids).logits[0, -1].float()  # [vocab]
+            top = torch.topk(logits, 2)
+            checks[(i, pos, other[pos])] = TieCheck(i, pos, ref[pos], other[pos], top.indices.tolist(), top.values.tolist())
+    return list(checks.values())
 
 
 def run_job(job: Job) -> SystemResult:
     torch.set_num_threads(job.threads)
     start = time.perf_counter()
-    model = load_peer(job)
+    model, extra = load_peer(job)
     load_s = time.perf_counter() - start
     prompt_ids = job.prompt_token_ids or []
     runs = run_schedule(
-        "transformers", job, prompt_ids, lambda ids, c, warmup, tag: run_batched(model, job, ids, c, warmup)
+        job.system, job, prompt_ids, lambda ids, c, warmup, tag: run_batched(model, job, extra, ids, c, warmup)
     )
     single = [r for r in runs if r.concurrency == 1 and not r.warmup]
     ties = tie_checks(model, job, prompt_ids, single[0].outputs) if single and job.tie_check_outputs else []
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-    return SystemResult("transformers", versions, torch.get_num_threads(), load_s, prompt_ids, runs, ties)
+    return SystemResult(job.system, versions, torch.get_num_threads(), load_s, prompt_ids, runs, ties)
 
 
 def main(argv: list[str]) -> int:

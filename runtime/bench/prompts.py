@@ -1,4 +1,4 @@
-"""The benchmark's fixed prompt set, and loading a user-supplied one.
+"""The benchmark's prompt sets: the built-in one, the packaged data sets (``datasets.py``), a file.
 
 A prompt is a chat: a list of ``{"role", "content"}`` messages. The built-in set is 16 varied
 single-turn requests (8 code, 8 chat/prose) of different lengths, fixed so that runs compare.
@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-Messages = list[dict[str, str]]
+from specdecode.runtime.bench.datasets import PROMPT_SETS, Messages
+
+PROMPT_SET_NAMES = ("builtin", *PROMPT_SETS)
 
 BUILTIN_PROMPTS: tuple[str, ...] = (
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -39,8 +41,11 @@ def builtin_prompts() -> list[Messages]:
 
 
 def load_prompts(source: str, num_prompts: int) -> list[Messages]:
-    """``source`` is ``builtin`` or a JSON file (a list) / JSONL file (one item a line) whose items
-    are a string (one user turn), a list of messages, or an object with ``prompt`` or ``messages``."""
+    """``source`` is ``builtin``, a packaged set (``PROMPT_SETS``), or a JSON file (a list) / JSONL
+    file (one item a line) whose items are a string (one user turn), a list of messages, or an
+    object with ``prompt`` or ``messages``. Raises ``datasets.MissingData`` for an uninstalled set."""
+    if source in PROMPT_SETS:
+        return PROMPT_SETS[source](num_prompts)
     if source == "builtin":
         prompts = builtin_prompts()
     else:

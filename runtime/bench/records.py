@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.runtime.bench.prompts import Messages
+from specdecode.runtime.engine.sequence import SpecCounts
 
 
 @dataclass
 class Job:
     """What one system's subprocess must run."""
 
+    system: str  # its name in the results (systems.py)
     model: str
     dtype: str
     device: str
@@ -26,8 +28,15 @@ class Job:
     busy_retries: int  # a timed run disturbed by other processes is repeated up to this many times
     quiet_wait_s: float  # before a timed run, wait up to this long for the machine to go quiet
     prompts: list[Messages]
-    prompt_token_ids: list[list[int]] | None = None  # ours tokenizes; the peer reuses its ids
-    tie_check_outputs: list[list[int]] | None = None  # ours at c=1: where the peer differs, check ties
+    max_model_len: int | None = None  # None = the model's; longer prompts keep their last tokens
+    speculative: dict | None = None  # ours: SpeculativeConfig JSON
+    peer_mode: str = "plain"  # transformers: "plain" | "prompt-lookup" | "assisted"
+    num_speculative_tokens: int = 4  # transformers' prompt_lookup_num_tokens / num_assistant_tokens
+    prompt_lookup_max: int = 4  # transformers' max_matching_ngram_size (our n-gram window's top)
+    assistant_model: str | None = None  # transformers-assisted: the draft model
+    prompt_token_ids: list[list[int]] | None = None  # ours tokenizes (and truncates); peers reuse its ids
+    # other systems' outputs at c=1, by system: where one differs from this system's, check ties
+    tie_check_outputs: dict[str, list[list[int]]] | None = None
 
 
 @dataclass
@@ -56,6 +65,7 @@ class RunResult:
     outputs: list[list[int]]  # generated token ids, in prompt order
     competing_cpu_cores: float | None = None  # cores other processes kept busy meanwhile (schedule.py)
     discarded: bool = False  # too much competing CPU: repeated, kept for the record, not reported
+    spec: SpecCounts | None = None  # ours with speculation: the engine's counters over this run
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,14 +94,34 @@ class TieCheck:
 
 
 @dataclass
+class Truncation:
+    """Prompts longer than ``keep_tokens`` (= max-model-len − max-tokens) keep their last
+    ``keep_tokens`` token ids (chat template applied first, so the generation prompt survives)."""
+
+    max_model_len: int
+    keep_tokens: int
+    original_lengths: list[int]  # prompt token counts before truncation, in prompt order
+
+    @property
+    def num_truncated(self) -> int:
+        return sum(n > self.keep_tokens for n in self.original_lengths)
+
+    def note(self) -> str:
+        return (f"{self.num_truncated} of {len(self.original_lengths)} prompts were longer than {self.keep_tokens} tokens "
+                f"and kept their last {self.keep_tokens} (max-model-len {self.max_model_len} − max-tokens "
+                f"{self.max_model_len - self.keep_tokens}); longest was {max(self.original_lengths, default=0)}")
+
+
+@dataclass
 class SystemResult:
-    system: str  # "ours" | "transformers"
+    system: str  # its name (systems.py)
     versions: dict[str, str]
     threads: int
     load_s: float
     prompt_token_ids: list[list[int]]
     runs: list[RunResult]
     tie_checks: list[TieCheck] = field(default_factory=list)
+    truncation: Truncation | None = None  # ours: how prompts were fitted into the context
 
     @property
     def max_competing_cpu_cores(self) -> float | None:
@@ -108,10 +138,15 @@ class SystemResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SystemResult":
         runs = [
-            RunResult(**{**r, "requests": [RequestTiming(**t) for t in r["requests"]]}) for r in data["runs"]
+            RunResult(**{
+                **r, "requests": [RequestTiming(**t) for t in r["requests"]],
+                "spec": SpecCounts(**r["spec"]) if r.get("spec") else None,
+            })
+            for r in data["runs"]
         ]
         ties = [TieCheck(**t) for t in data["tie_checks"]]
-        return cls(**{**data, "runs": runs, "tie_checks": ties})
+        truncation = Truncation(**data["truncation"]) if data.get("truncation") else None
+        return cls(**{**data, "runs": runs, "tie_checks": ties, "truncation": truncation})
 
 
 def write_json(path: Path, data: Any) -> None:

