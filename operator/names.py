@@ -30,6 +30,12 @@ COMPONENT_API = "api"  # the traffic Service
 COMPONENT_RENDEZVOUS = "rendezvous"  # the headless Service of a multi-pod group
 METRIC_LABEL_REVISION = "revision"  # the label a ServiceMonitor puts on every scraped series
 
+# -- annotations a user sets on the SpecDecodeDeployment to steer a rollout (value "true") -------
+ANNOTATION_PROMOTE = f"{GROUP}/promote"  # one-shot: skip the remaining steps and analysis; removed when done
+ANNOTATION_ABORT = f"{GROUP}/abort"  # one-shot: roll back now; removed when done
+ANNOTATION_RESUME = f"{GROUP}/resume"  # one-shot: resume a paused rollout (also one paused by the analysis)
+ANNOTATION_PAUSE = f"{GROUP}/pause"  # held while present; removing it resumes
+
 # -- ports, paths, container and volume names ---------------------------------------------------
 CONTAINER = "runtime"
 FETCH_CONTAINER = "fetch-model"

@@ -237,6 +237,38 @@ class MeasuredAcceptance(Shared):
     measured_at: datetime | None = None
 
 
+class RolloutPhase(str, Enum):
+    STABLE = "Stable"  # one revision serves every replica
+    PROGRESSING = "Progressing"  # a canary revision runs beside the stable one and is analysed step by step
+    PAUSED = "Paused"  # held at its step: by hand, or after inconclusiveLimit windows without a verdict
+    PROMOTING = "Promoting"  # promoted by hand: scaling to every replica, no more analysis
+    ROLLED_BACK = "RolledBack"  # the canary failed or was aborted; the stable serves until the spec changes
+
+
+class PauseCause(str, Enum):
+    MANUAL = "ManualPause"  # the specdecode.io/pause annotation
+    INCONCLUSIVE = "InconclusiveAnalysis"  # inconclusiveLimit windows in a row without data
+
+
+class RolloutStatus(Shared):
+    """Where a rollout stands, kept in status so that an operator restart resumes it. The revisions
+    and the step index are ``stableRevision``, ``canaryRevision`` and ``canaryStep``."""
+
+    phase: RolloutPhase = RolloutPhase.STABLE
+    stable_replicas: int = Field(0, ge=0, description="replicas the stable workload is set to")
+    canary_replicas: int = Field(0, ge=0, description="replicas the canary workload is set to")
+    step_started_at: datetime | None = Field(
+        None, description="when the canary reached the current step's replicas; a passing window must start after it"
+    )
+    consecutive_failures: int = Field(0, ge=0, description="failed analyses in a row (failureLimit rolls back)")
+    consecutive_inconclusive: int = Field(0, ge=0, description="windows without a verdict in a row (pause)")
+    paused_by: PauseCause | None = None
+    rolled_back_revision: str | None = Field(
+        None, description="the revision last rolled back; not retried until the spec changes again"
+    )
+    message: str = Field("", description="the last analysis verdict, or why the rollout paused, rolled back or was promoted")
+
+
 class SpecDecodeDeploymentStatus(Shared):
     observed_generation: int | None = None
     conditions: tuple[Condition, ...] = Field(
@@ -250,6 +282,7 @@ class SpecDecodeDeploymentStatus(Shared):
     selector: str | None = Field(None, description="label selector of the serving pods (scale subresource)")
     acceptance: MeasuredAcceptance | None = None
     warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
+    rollout: RolloutStatus = RolloutStatus()
 
 
 
