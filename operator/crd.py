@@ -1,7 +1,8 @@
 """The CustomResourceDefinition, generated from the pydantic models in ``spec.py``.
 
-``python -P -m specdecode.operator.crd [PATH]`` writes it (``--check`` compares instead); a test
-proves ``crds/`` equals what the models generate, so schema, operator and runtime cannot drift.
+``python -P -m specdecode.operator.crd [PATH ...]`` writes it to ``crds/`` and to the Helm chart's
+``charts/specdecode/crds/`` (``--check`` compares instead); tests prove both equal what the models
+generate, so schema, chart, operator and runtime cannot drift.
 
 pydantic's JSON schema is turned into a *structural* OpenAPI v3 schema, as the API server
 requires: ``$ref`` inlined, ``Optional`` unions collapsed, ``int | str`` as
@@ -25,6 +26,8 @@ from specdecode.operator import names
 from specdecode.operator.spec import SpecDecodeDeploymentSpec, SpecDecodeDeploymentStatus, in_crd_spelling
 
 CRD_FILE = f"{names.GROUP}_{names.PLURAL}.yaml"
+# Relative to the repository root: the plain manifests, and the copy Helm installs from its crds/.
+CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts/specdecode/crds") / CRD_FILE)
 HEADER = "# Generated from specdecode/operator/spec.py by `python -P -m specdecode.operator.crd`; do not edit.\n"
 
 Schema = dict[str, Any]
@@ -205,17 +208,20 @@ def crd_yaml() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -P -m specdecode.operator.crd", description=__doc__.split("\n")[0])
-    parser.add_argument("path", nargs="?", default=f"crds/{CRD_FILE}", help="default %(default)s")
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs from the models")
+    parser.add_argument("paths", nargs="*", type=Path, default=list(CRD_PATHS),
+                        help=f"default: {' and '.join(map(str, CRD_PATHS))}")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a file differs from the models")
     args = parser.parse_args(argv)
-    path, text = Path(args.path), crd_yaml()
+    text = crd_yaml()
     if args.check:
-        same = path.is_file() and path.read_text(encoding="utf-8") == text
-        print(f"{path}: {'up to date' if same else 'differs from the models; regenerate it'}")
-        return 0 if same else 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {path}")
+        stale = [path for path in args.paths if not (path.is_file() and path.read_text(encoding="utf-8") == text)]
+        for path in args.paths:
+            print(f"{path}: {'differs from the models; regenerate it' if path in stale else 'up to date'}")
+        return 1 if stale else 0
+    for path in args.paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
     return 0
 
 

@@ -14,7 +14,7 @@ from specdecode.operator.spec import SpecDecodeDeploymentSpec
 from specdecode.runtime.config import SpeculativeConfig
 
 REPO = Path(__file__).resolve().parents[1]
-CRD_PATH = REPO / "crds" / crd.CRD_FILE
+CRD_COPIES = [REPO / path for path in crd.CRD_PATHS]  # crds/ and the Helm chart's crds/
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 INVALID = [p for p in EXAMPLES if p.name.startswith("invalid")]
 VALID = [p for p in EXAMPLES if p not in INVALID]
@@ -35,11 +35,22 @@ def walk(node: dict[str, Any], path: str = ""):
         yield from walk(node["additionalProperties"], f"{path}{{}}")
 
 
-def test_crds_folder_equals_what_the_models_generate():
-    assert CRD_PATH.read_text(encoding="utf-8") == crd.crd_yaml(), (
-        f"{CRD_PATH.relative_to(REPO)} is stale: run `python -P -m specdecode.operator.crd`"
+@pytest.mark.parametrize("path", CRD_COPIES, ids=lambda p: str(p.relative_to(REPO).parent))
+def test_crd_files_equal_what_the_models_generate(path):
+    assert path.read_text(encoding="utf-8") == crd.crd_yaml(), (
+        f"{path.relative_to(REPO)} is stale: run `python -P -m specdecode.operator.crd`"
     )
-    assert crd.main([str(CRD_PATH), "--check"]) == 0
+
+
+def test_generator_writes_and_checks_every_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert [p.parent.as_posix() for p in crd.CRD_PATHS] == ["crds", "charts/specdecode/crds"]
+    assert crd.main(["--check"]) == 0  # the defaults: both copies in the repository
+    monkeypatch.chdir(tmp_path)
+    assert crd.main([]) == 0 and crd.main(["--check"]) == 0
+    stale = tmp_path / crd.CRD_PATHS[1]
+    stale.write_text(crd.crd_yaml().replace("v1alpha1", "v1alpha2"), encoding="utf-8")
+    assert crd.main(["--check"]) == 1
 
 
 def test_crd_identity_subresources_and_columns():
