@@ -23,6 +23,9 @@ Semantics:
   (``inconclusiveLimit`` in a row pauses); PASS resets both and, if its window started after the
   step was reached and spans a whole window, moves to the next step — past 100 % it promotes:
   the canary becomes stable and the old stable's workloads go.
+- A step not reached within ``progressDeadline`` of its start (canary pods that never become
+  ready: an image that does not pull, a model that does not fit) rolls back with reason
+  ProgressDeadlineExceeded; the clock stops while paused and restarts on resume.
 - A spec change mid-rollout replaces the canary (back to step 0); a change back to the stable
   revision cancels the canary; a rolled-back revision is not retried until the spec changes.
   ``spec.replicas`` is not part of the revision (render.revision hashes the pod template only):
@@ -46,6 +49,7 @@ from enum import Enum
 
 from specdecode.operator import names
 from specdecode.operator.analysis import Result, Verdict, measured_acceptance
+from specdecode.operator.resolve import duration_seconds
 from specdecode.operator.spec import (
     Condition,
     ConditionStatus,
@@ -262,7 +266,8 @@ def _obey(s: _State, commands: frozenset[Command], spec: SpecDecodeDeploymentSpe
     elif phase == RolloutPhase.PAUSED and (Command.RESUME in commands or (
             Command.PAUSE not in commands and s.rollout.paused_by == PauseCause.MANUAL)):
         s.emit(EventType.NORMAL, "Resumed", f"rollout of {s.canary} resumed at step {s.step + 1}")
-        s.update(phase=RolloutPhase.PROGRESSING, paused_by=None, step_started_at=None, consecutive_inconclusive=0)
+        s.update(phase=RolloutPhase.PROGRESSING, paused_by=None, step_requested_at=None, step_started_at=None,
+                 consecutive_inconclusive=0)
     elif phase == RolloutPhase.PROGRESSING and Command.PAUSE in commands:
         _pause(s, PauseCause.MANUAL, f"paused by hand ({names.ANNOTATION_PAUSE}); remove the annotation to resume")
 
@@ -327,7 +332,7 @@ def _next_step(s: _State, spec: SpecDecodeDeploymentSpec, reasons: str) -> None:
     s.emit(EventType.NORMAL, "StepPassed", f"canary {s.canary} passed step {s.step + 1} ({steps[s.step].weight}%): "
            f"{reasons}; moving to {steps[s.step + 1].weight}%")
     s.step += 1
-    s.update(step_started_at=None)
+    s.update(step_requested_at=None, step_started_at=None)
 
 
 def _scale(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], now: datetime) -> dict[str, int]:
@@ -342,6 +347,12 @@ def _scale(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
     move = next_move(spec, current, target, seen)
     s.update(stable_replicas=move.stable, canary_replicas=move.canary)
     reached = move == target and seen.canary >= target.canary
+    if not reached and _past_deadline(s, spec, now):
+        _roll_back(s, "ProgressDeadlineExceeded", f"step {s.step + 1} not reached within "
+                   f"progressDeadline {spec.rollout.progress_deadline}: {seen.canary} of {target.canary} canary "
+                   "replicas ready")
+        s.update(stable_replicas=spec.replicas, canary_replicas=0)
+        return {s.stable: spec.replicas}
     if reached and s.rollout.phase == RolloutPhase.PROMOTING:
         _promote(s, "by hand")
         return {s.stable: spec.replicas}
@@ -350,6 +361,17 @@ def _scale(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
         s.emit(EventType.NORMAL, "StepReached", f"step {s.step + 1}/{len(spec.rollout.steps)}: canary {s.canary} "
                f"serves {weight}% ({move.canary} of {spec.replicas} replicas, stable {move.stable})")
     return {s.stable: move.stable, s.canary: move.canary}
+
+
+def _past_deadline(s: _State, spec: SpecDecodeDeploymentSpec, now: datetime) -> bool:
+    """Whether the current step has been scaling longer than progressDeadline (never while paused);
+    the first call of a step starts its clock."""
+    if s.rollout.phase == RolloutPhase.PAUSED or s.rollout.step_started_at is not None:
+        return False
+    if s.rollout.step_requested_at is None:
+        s.update(step_requested_at=now)
+        return False
+    return (now - s.rollout.step_requested_at).total_seconds() > duration_seconds(spec.rollout.progress_deadline)
 
 
 # -- conditions from the state ------------------------------------------------------------------

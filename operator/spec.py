@@ -130,6 +130,10 @@ class Rollout(Shared):
         (CanaryStep(weight=50), CanaryStep(weight=100)), description="strictly increasing; the last is 100"
     )
     analysis: Analysis = Analysis()
+    progress_deadline: Duration = Field(
+        "30m", description="a step whose canary replicas are not all set and ready this long after it began "
+        "rolls back (ProgressDeadlineExceeded): an image that never pulls, a model that never loads"
+    )
 
 
 # -- service, probes, monitoring, pod pass-through -----------------------------------------------
@@ -257,6 +261,9 @@ class RolloutStatus(Shared):
     phase: RolloutPhase = RolloutPhase.STABLE
     stable_replicas: int = Field(0, ge=0, description="replicas the stable workload is set to")
     canary_replicas: int = Field(0, ge=0, description="replicas the canary workload is set to")
+    step_requested_at: datetime | None = Field(
+        None, description="when scaling to the current step began; progressDeadline counts from it"
+    )
     step_started_at: datetime | None = Field(
         None, description="when the canary reached the current step's replicas; a passing window must start after it"
     )

@@ -182,6 +182,32 @@ def test_low_acceptance_rolls_back_after_failure_limit():
     assert condition(fresh.status, ConditionType.ROLLED_BACK).status == ConditionStatus.FALSE
 
 
+def test_a_canary_that_never_becomes_ready_rolls_back_at_the_progress_deadline():
+    op = Operator(make_spec(progressDeadline="10m"))
+    op.tick("rev1")
+    started = op.now
+    op.tick("rev2", ready={"rev1": 4, "rev2": 0})  # the step's clock starts
+    while op.now - started <= timedelta(minutes=10):
+        t = op.tick("rev2", ready={"rev1": 3, "rev2": 0})  # the canary pod never gets ready
+        assert t.status.rollout.phase == RolloutPhase.PROGRESSING and t.replicas == {"rev1": 3, "rev2": 1}
+    t = op.tick("rev2", ready={"rev1": 3, "rev2": 0})
+    assert kinds(t) == ["RolledBack"] and t.replicas == {"rev1": 4}
+    rolled_back = condition(t.status, ConditionType.ROLLED_BACK)
+    assert rolled_back.reason == "ProgressDeadlineExceeded"
+    assert rolled_back.message == "step 1 not reached within progressDeadline 10m: 0 of 2 canary replicas ready"
+
+
+def test_the_progress_deadline_does_not_run_while_paused():
+    op = Operator(make_spec(progressDeadline="1m"))
+    op.tick("rev1")
+    op.tick("rev2", ready={"rev1": 4, "rev2": 0})
+    for _ in range(10):
+        t = op.tick("rev2", commands=frozenset({Command.PAUSE}), ready={"rev1": 3, "rev2": 0})
+        assert t.status.rollout.phase == RolloutPhase.PAUSED
+    t = op.tick("rev2", ready={"rev1": 3, "rev2": 0})  # resumed: a fresh minute
+    assert kinds(t) == ["Resumed"] and t.status.rollout.phase == RolloutPhase.PROGRESSING
+
+
 def test_a_pass_breaks_a_run_of_failures():
     op = Operator(make_spec())
     reached = op.reach_first_step()
