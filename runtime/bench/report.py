@@ -16,6 +16,7 @@ from pathlib import Path
 from specdecode.runtime.bench import acceptance
 from specdecode.runtime.bench.correctness import Correctness
 from specdecode.runtime.bench.records import SystemResult
+from specdecode.runtime.bench.schedule import BUSY_CORES
 from specdecode.runtime.bench.systems import NOSPEC, System
 
 
@@ -30,6 +31,7 @@ class Summary:
     vs_nospec: float | None = None
     vs_peer: float | None = None
     acceptance: acceptance.Acceptance | None = None  # ours with speculation only
+    busy: bool = False  # a reported run had > BUSY_CORES of competing CPU: its timing is inflated
     check: str = ""
 
 
@@ -40,6 +42,7 @@ def summarize(result: SystemResult, concurrency: int) -> Summary:
         return statistics.median(statistics.median(getattr(t, metric) for t in r.requests) for r in runs)
 
     counts = [r.spec for r in runs if r.spec is not None]
+    competing = [r.competing_cpu_cores for r in runs if r.competing_cpu_cores is not None]
     return Summary(
         result.system,
         concurrency,
@@ -48,6 +51,7 @@ def summarize(result: SystemResult, concurrency: int) -> Summary:
         median_p50("itl_s"),
         median_p50("e2e_s"),
         acceptance=acceptance.summarize(counts) if counts else None,
+        busy=max(competing, default=0.0) > BUSY_CORES,
     )
 
 
@@ -67,14 +71,15 @@ def build_summaries(systems: list[System], results: dict[str, SystemResult], cor
 
 
 def format_table(rows: list[Summary], k: int) -> str:
-    """A Markdown table (pastes into the README as it is)."""
+    """A Markdown table (pastes into the README as it is); "(busy)" marks inflated timings."""
     head = ["system", "c", "tokens/s", "TTFT p50 (ms)", "ITL p50 (ms)", "vs ours-nospec", "vs transformers",
             "accept rate", "mean accept len", f"accepted at position 1..{k}", "outputs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         acc = r.acceptance
         cells = [
-            r.system, str(r.concurrency), f"{r.tokens_per_s:.1f}", f"{r.ttft_p50_s * 1e3:.0f}", f"{r.itl_p50_s * 1e3:.1f}",
+            r.system, str(r.concurrency), f"{r.tokens_per_s:.1f}" + (" (busy)" if r.busy else ""),
+            f"{r.ttft_p50_s * 1e3:.0f}", f"{r.itl_p50_s * 1e3:.1f}",
             _ratio(r.vs_nospec), _ratio(r.vs_peer),
             f"{acc.rate:.2f}" if acc and acc.rate is not None else "",
             f"{acc.mean_length:.2f}" if acc and acc.mean_length is not None else "",
