@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +59,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(methods: none, ngram; verify: greedy, target_match, rejection, topp — topp is lossy)")
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (``ParallelConfig``); a group spread over pods also reads torchrun's env."""
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="shard the model over N ranks (one per GPU, or CPU processes); in one pod the other ranks "
+                        "are spawned here, across pods they meet through $NNODES, $NODE_RANK, $MASTER_ADDR and "
+                        "$MASTER_PORT (default 1)")
+
+
 def _set(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def engine_config(args: argparse.Namespace):
-    """``EngineConfig`` from the model and engine argument groups (flags absent from ``args`` are unset)."""
+def parallel_config(args: argparse.Namespace, environ: Mapping[str, str]):
+    """``ParallelConfig`` from ``--tensor-parallel-size`` and, across pods, the rendezvous env the operator sets."""
+    from specdecode.runtime.config import ParallelConfig
+
+    return ParallelConfig(**_set(
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None), num_nodes=environ.get("NNODES"),
+        node_rank=environ.get("NODE_RANK"), master_addr=environ.get("MASTER_ADDR"),
+        master_port=environ.get("MASTER_PORT")))
+
+
+def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ):
+    """``EngineConfig`` from the model, engine and parallelism argument groups (flags absent from
+    ``args`` are unset) and the rendezvous env."""
     from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - a subcommand may lack a group
@@ -82,7 +102,7 @@ def engine_config(args: argparse.Namespace):
     spec_json = get("speculative_config")
     speculative = SpeculativeConfig.model_validate_json(spec_json) if spec_json else SpeculativeConfig()
     return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler),
-                        speculative=speculative)
+                        speculative=speculative, parallel=parallel_config(args, environ))
 
 
 # -- serve --------------------------------------------------------------------------------------
@@ -91,6 +111,7 @@ def engine_config(args: argparse.Namespace):
 def _add_serve(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_engine_arguments(parser)
+    add_parallel_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=None, help="default 127.0.0.1")
     g.add_argument("--port", type=int, default=None, help="default 8000")
@@ -118,8 +139,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"specdecode serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    run_server(cfg, log_level=args.log_level)
-    return 0
+    return run_server(cfg, log_level=args.log_level)
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -127,6 +147,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
@@ -136,10 +157,26 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from specdecode.runtime.engine.async_engine import AsyncEngine
+
+    try:
+        cfg = engine_config(args)
+    except ValidationError as exc:
+        print(f"specdecode generate: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    async_engine = AsyncEngine.from_config(cfg)
+    try:
+        _generate(async_engine.engine, args)  # the synchronous LLMEngine, no thread
+    finally:
+        async_engine.shutdown()  # stops tensor-parallel workers
+    return 0
+
+
+def _generate(engine, args: argparse.Namespace) -> None:
     from specdecode.runtime.engine.sequence import SamplingParams
 
-    engine = AsyncEngine.from_config(engine_config(args)).engine  # the synchronous LLMEngine, no thread
     tokenizer = engine.tokenizer
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -155,7 +192,6 @@ def _run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(delta.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
-    return 0
 
 
 # -- validate / render (the operator's pure core; torch-free) -----------------------------------

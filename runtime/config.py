@@ -168,11 +168,53 @@ class SchedulerConfig(Frozen):
     max_waiting_requests: int = Field(256, ge=1, description="a fuller queue answers 503")
 
 
+class ParallelConfig(Frozen):
+    """Tensor parallelism: ``tensor_parallel_size`` ranks, spread evenly over ``num_nodes`` pods.
+
+    Global rank ``node_rank * ranks_per_node + local`` runs on device ``local``; global rank 0
+    schedules, samples and serves the API. One pod (``num_nodes`` 1) meets on a port the OS picks;
+    several meet at ``master_addr:master_port`` (torchrun's MASTER_ADDR/MASTER_PORT, set by the
+    operator). Whether the model's heads split ``tensor_parallel_size`` ways is checked at load.
+    """
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    num_nodes: int = Field(1, ge=1, description="pods the group spans (NNODES)")
+    node_rank: int = Field(0, ge=0, description="this pod's index in the group (NODE_RANK); 0 serves the API")
+    master_addr: str | None = Field(None, description="node 0's address for the rendezvous (MASTER_ADDR); across pods")
+    master_port: int | None = Field(None, ge=1, le=65535, description="node 0's rendezvous port (MASTER_PORT); across pods")
+    rendezvous_timeout_s: float = Field(600.0, gt=0, description="every rank must have loaded its shard by then")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="a collective waiting longer for a peer fails (workers wait for the next step without limit)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ParallelConfig":
+        if self.tensor_parallel_size % self.num_nodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of the number of "
+                             f"pods NNODES ({self.num_nodes})")
+        if self.node_rank >= self.num_nodes:
+            raise ValueError(f"NODE_RANK ({self.node_rank}) must be below NNODES ({self.num_nodes})")
+        if self.num_nodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise ValueError("a group spread over several pods needs MASTER_ADDR and MASTER_PORT")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.num_nodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this pod runs, its local rank 0 first."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
 class EngineConfig(Frozen):
     load: LoadConfig = LoadConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 class ServerConfig(Frozen):

@@ -3,7 +3,9 @@
 The engine thread owns the engine: requests and aborts reach it through a thread-safe inbox,
 outputs go back through ``loop.call_soon_threadsafe`` into one asyncio queue per request. An
 exception inside a step fails the requests in flight with that error instead of killing the
-thread, so one bad step never takes the server down.
+thread, so one bad step never takes the server down — except a step that broke the
+tensor-parallel group: the thread stops, and the engine reports itself dead (so does a lost
+worker process of this pod).
 """
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdecode.runtime.config import EngineConfig
 from specdecode.runtime.engine.llm_engine import EngineStats, LLMEngine
 from specdecode.runtime.engine.sequence import RequestOutput, SamplingParams
+from specdecode.runtime.parallel.step_channel import TensorParallelBroken
+
+if TYPE_CHECKING:
+    from specdecode.runtime.parallel.leader import Leader
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +61,11 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str, max_waiting_requests: int):
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting_requests: int, leader: Leader | None = None):
         self.engine = engine
         self.model_name = model_name
         self.max_waiting_requests = max_waiting_requests
+        self.leader = leader  # rank 0 of a tensor-parallel group: the other ranks' keeper
         self.ready = False
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -68,6 +76,12 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":
+        """Load the model; with tensor parallelism, as rank 0 of a group it forms (see ``parallel``)."""
+        if cfg.parallel.tensor_parallel_size > 1:
+            from specdecode.runtime.parallel.leader import start_leader_engine
+
+            engine, name, leader = start_leader_engine(cfg)
+            return cls(engine, name, cfg.scheduler.max_waiting_requests, leader)
         from specdecode.runtime.models.loader import load_model
 
         loaded = load_model(cfg.load)
@@ -94,12 +108,20 @@ class AsyncEngine:
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout=30)
+            stepping = self._thread.is_alive()
             self._thread = None
+            if stepping:  # stuck in a step: no shutdown message can go out beside it
+                log.error("the engine thread did not stop within 30s")
+                return
+        if self.leader is not None:
+            self.leader.shutdown()
 
     @property
     def dead(self) -> bool:
-        """The stepping thread was started and has stopped on its own (liveness probe fails)."""
-        return self._thread is not None and not self._thread.is_alive()
+        """The stepping thread was started and has stopped on its own, or a tensor-parallel worker
+        of this pod is gone (liveness probe fails)."""
+        thread_stopped = self._thread is not None and not self._thread.is_alive()
+        return thread_stopped or (self.leader is not None and not self.leader.alive)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -147,6 +169,10 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except TensorParallelBroken as exc:  # the ranks are out of lockstep: stop, /health fails
+                log.exception("engine step broke the tensor-parallel group; the engine stops")
+                self._fail_all(exc)
+                return
             except Exception as exc:  # a failed step fails its requests, not the server
                 log.exception("engine step failed")
                 self._fail_all(exc)

@@ -20,7 +20,7 @@ from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
 from specdecode.runtime.engine.load_control import LoadController
-from specdecode.runtime.engine.model_runner import ModelRunner, kv_bytes_per_block
+from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq, Scheduler
 from specdecode.runtime.engine.sequence import (
@@ -36,6 +36,7 @@ from specdecode.runtime.proposers import build_proposer
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
+    from specdecode.runtime.parallel.step_channel import StepChannel
     from specdecode.runtime.tokenizer import Tokenizer
 
 
@@ -87,17 +88,16 @@ class LLMEngine:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        channel: StepChannel | None = None,  # rank 0 of a tensor-parallel group: sends each step to the others
     ):
         block_size = cfg.cache.block_size
-        num_blocks = cfg.cache.num_blocks or max(
-            2, int(cfg.cache.memory_gib * 2**30) // kv_bytes_per_block(model, block_size, dtype)
-        )
+        num_blocks = num_kv_blocks(cfg.cache, model, dtype)
         self.tokenizer = tokenizer
         self.max_model_len = min(cfg.scheduler.max_model_len or max_model_len, model.config.max_position_embeddings)
         self.device = device
         self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, channel)
         spec = cfg.speculative
         if spec.enabled and spec.verify is VerifyStrategy.TOPP:
             log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")

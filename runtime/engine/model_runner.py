@@ -1,15 +1,24 @@
 """Owns the KV pools and runs one target forward per step over every scheduled token.
 
 All host→device traffic of a step happens in ``prepare``: the flat token batch, positions,
-slot mapping and the attention groups are built on the host and moved once.
+slot mapping and the attention groups are built on the host and moved once. Under tensor
+parallelism rank 0's runner hands what ``prepare`` built to its ``StepChannel``, which sends it
+to the other ranks and runs the forward in lockstep with theirs; each rank's pools hold its own
+KV heads under the same block tables.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from specdecode.runtime.config import CacheConfig
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
 from specdecode.runtime.models.decoder import DecoderLM
+
+if TYPE_CHECKING:
+    from specdecode.runtime.parallel.step_channel import StepChannel
 
 # Sequences computing at most this many tokens share one padded attention call.
 SHORT_QUERY_TOKENS = 16
@@ -17,16 +26,32 @@ SHORT_QUERY_TOKENS = 16
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * c.num_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+
+def num_kv_blocks(cache: CacheConfig, model: DecoderLM, dtype: torch.dtype) -> int:
+    """The pool size in blocks: as configured, or what the memory budget holds (the same on every rank)."""
+    if cache.num_blocks:
+        return cache.num_blocks
+    return max(2, int(cache.memory_gib * 2**30) // kv_bytes_per_block(model, cache.block_size, dtype))
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: DecoderLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        channel: StepChannel | None = None,
+    ):
         c = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.channel = channel  # rank 0 of a tensor-parallel group; None otherwise
+        shape = (num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
         self.kv_pools = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(c.num_layers)
@@ -38,9 +63,16 @@ class ModelRunner:
         """Forward every scheduled token; return the logits of every deciding row: [R, vocab] fp32,
         R = Σ (num_draft + 1) over the sequences that decide tokens this step, in scheduled order."""
         input_ids, batch, sample_rows = self.prepare(scheduled)
-        hidden = self.model(input_ids, self.kv_pools, batch)  # [T, hidden]
-        self.num_forwards += 1
+        if self.channel is None:
+            hidden = self.forward(input_ids, batch)
+        else:
+            hidden = self.channel.run_step(input_ids, batch, self.forward)
         return self.model.compute_logits(hidden[sample_rows])
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """input_ids: [T] long → hidden states [T, hidden], K/V written into the pools (under inference mode)."""
+        self.num_forwards += 1
+        return self.model(input_ids, self.kv_pools, batch)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor]:
         tokens: list[int] = []

@@ -2,6 +2,8 @@
 
 Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj.weight`` …) so HF
 safetensors load as they are; q/k/v and gate/up are stored fused and filled by ``load_weights``.
+Under tensor parallelism (``tensor_parallel``) each rank holds its heads and intermediate slice,
+cut from the full checkpoint tensors as they load.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch import nn
 
 from specdecode.runtime.models.attention import AttentionBatch, paged_attention
 from specdecode.runtime.models.model_config import ModelConfig
+from specdecode.runtime.models.tensor_parallel import RowParallelLinear, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -48,13 +51,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's heads: column-parallel fused q/k/v, row-parallel o_proj."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -72,11 +78,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """This rank's intermediate slice: column-parallel fused gate/up, row-parallel down_proj."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -84,12 +92,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, rope, kv_pool, batch):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_pool, batch)
@@ -97,10 +105,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -115,12 +123,19 @@ _FUSED = {
 
 
 class DecoderLM(nn.Module):
-    """Causal LM: ``forward`` returns hidden states, ``compute_logits`` projects selected rows."""
+    """Causal LM: ``forward`` returns hidden states, ``compute_logits`` projects selected rows.
 
-    def __init__(self, cfg: ModelConfig):
+    With ``tp.size > 1`` this is one rank's shard: every rank must run the same forward (the
+    row-parallel layers all-reduce); the LM head is replicated.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
+        tp.check(cfg)
         self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.tp = tp
+        self.num_local_kv_heads = cfg.num_kv_heads // tp.size  # the KV heads this rank caches
+        self.model = DecoderBody(cfg, tp)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -140,7 +155,8 @@ class DecoderLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, filling the fused q/k/v and gate/up parameters shard by shard."""
+        """Copy HF-named full tensors in (this rank's slice of each), filling the fused q/k/v and
+        gate/up parameters shard by shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -153,17 +169,18 @@ class DecoderLM(nn.Module):
                     break
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
-            _copy_shard(params[target], tensor, shard, self._shard_sizes(target))
+            _copy_shard(params[target], self.tp.shard(name, tensor), shard, self._shard_sizes(target))
             loaded.add(target if shard is None else f"{target}#{shard}")
         missing = self._expected_keys() - loaded
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
     def _shard_sizes(self, param_name: str) -> list[int]:
-        c = self.config
+        """Row counts of the parts fused in ``param_name`` on this rank."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
         if ".qkv_proj." in param_name:
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [mlp.intermediate_size, mlp.intermediate_size]
 
     def _expected_keys(self) -> set[str]:
         keys = set()

@@ -2,7 +2,8 @@
 
 GGUF weights are dequantized once and cached (``weight_cache``); a cache hit is loaded as the
 HF folder it is. Big models are allocated uninitialised (meta device), straight in the target
-dtype and device, then filled.
+dtype and device, then filled. Under tensor parallelism each rank reads the full weights (the
+cache stays full-size) and keeps its own slice.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from specdecode.runtime.models.decoder import DecoderLM, RotaryEmbedding
 from specdecode.runtime.models.gguf_loader import open_gguf
 from specdecode.runtime.models.hf_loader import is_hf_folder, open_hf_folder
 from specdecode.runtime.models.model_config import ModelConfig
+from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
-    model: DecoderLM  # eval mode, requires_grad off, on ``device`` in ``dtype``
+    model: DecoderLM  # eval mode, requires_grad off, on ``device`` in ``dtype``; this rank's shard
     tokenizer: Tokenizer
     config: ModelConfig
     name: str  # default served model name: the alias, or the file/folder stem
@@ -41,13 +43,15 @@ class Checkpoint(Protocol):
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-def load_model(cfg: LoadConfig) -> LoadedModel:
+def load_model(cfg: LoadConfig, tp: TensorParallel = TensorParallel()) -> LoadedModel:
+    """The model (``tp.rank``'s shard of it) and its tokenizer; a ``tp.size`` that does not divide
+    the model's heads raises ValueError naming the numbers, before any weight is read."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     with _model_path(cfg) as path:
         config_dict, weights, tokenizer = _open(path, cfg.weight_cache_dir, dtype)
         config = ModelConfig.from_hf(config_dict)
-        model = build_model(config, weights, device, dtype)
+        model = build_model(config, weights, device, dtype, tp)
     if cfg.chat_template is not None:
         tokenizer = tokenizer.with_chat_template_file(cfg.chat_template)
     return LoadedModel(
@@ -108,10 +112,14 @@ def _open(
 
 
 def build_model(
-    config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel = TensorParallel(),
 ) -> DecoderLM:
-    """Allocate on ``device`` in ``dtype``, fill from ``weights``, freeze."""
-    model = _allocate(config, device, dtype)
+    """Allocate (``tp``'s shard) on ``device`` in ``dtype``, fill from the full ``weights``, freeze."""
+    model = _allocate(config, device, dtype, tp)
     model.load_weights(weights)  # raises on any missing or unexpected weight
     model.eval()
     model.requires_grad_(False)
@@ -125,13 +133,13 @@ def build_model(
 _META_INIT_MIN_PARAMS = 50_000_000
 
 
-def _allocate(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+def _allocate(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> DecoderLM:
     if _num_params(config) < _META_INIT_MIN_PARAMS:
         with torch.device(device):
-            model = DecoderLM(config).to(dtype)
+            model = DecoderLM(config, tp).to(dtype)
     else:
         with torch.device("meta"):
-            model = DecoderLM(config)
+            model = DecoderLM(config, tp)
         model = model.to(dtype).to_empty(device=device)
     # The RoPE tables are computed buffers, not weights: (re)build them for real, in fp32 as constructed.
     model.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)

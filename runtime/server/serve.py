@@ -54,8 +54,13 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def run_server(cfg: ServerConfig, log_level: str = "info") -> None:
-    """Load the model, listen, warm up in the background (``/ready`` turns 200 after), serve, drain."""
+def run_server(cfg: ServerConfig, log_level: str = "info") -> int:
+    """Load the model, listen, warm up in the background (``/ready`` turns 200 after), serve, drain;
+    the exit code. A pod of a tensor-parallel group other than node 0 only runs its ranks and probes."""
+    if cfg.engine.parallel.node_rank > 0:
+        from specdecode.runtime.parallel.worker_pod import serve_worker_pod
+
+        return serve_worker_pod(cfg)
     from specdecode.runtime.engine.async_engine import AsyncEngine
     from specdecode.runtime.server.app import build_app
 
@@ -71,3 +76,4 @@ def run_server(cfg: ServerConfig, log_level: str = "info") -> None:
     finally:
         warm_up.join()
         engine.shutdown()
+    return 0

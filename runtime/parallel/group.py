@@ -1,0 +1,91 @@
+"""Rendezvous and process groups of one tensor-parallel group.
+
+Rank 0 hosts the rendezvous ``TCPStore``: in one pod on a port the operating system picks as the
+store binds it (no bind-then-release race, no clash with another listener), across pods on
+MASTER_PORT. Every rank loads its shard first, then announces itself in the store and waits for
+all the others (``rendezvous_timeout_s``: loading takes a while, and pods start at different
+times); only then are the groups created, so their collectives can have a short timeout:
+
+- the default group (NCCL on CUDA, gloo on the CPU): the step's tensors and the all-reduces;
+- a gloo *control* group for each step's small header. Rank 0 waits on it at most
+  ``collective_timeout_s``, so a hung worker fails the step instead of hanging it; the other
+  ranks wait there for the next step as long as rank 0 lives (an idle server is normal; a closed
+  connection ends the wait at once).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from specdecode.runtime.config import Device, ParallelConfig
+from specdecode.runtime.device import resolve_device
+
+IDLE_WAIT = timedelta(days=365)  # how long a worker waits for rank 0's next step
+_POLL_S = 0.05
+
+
+def bind_device(device: Device, local_rank: int, ranks_per_node: int) -> torch.device:
+    """Give this rank its share of the machine: GPU ``local_rank``, or its share of the CPU cores."""
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} needs GPU {local_rank}, but torch sees "
+                             f"{torch.cuda.device_count()}")
+        torch.cuda.set_device(local_rank)  # "cuda" now means this rank's GPU, for every allocation
+    else:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_node))
+    return resolved
+
+
+def host_store(cfg: ParallelConfig) -> dist.TCPStore:
+    """Rank 0's rendezvous store: on MASTER_PORT across pods, else on a port the OS picks (``.port``)."""
+    port = cfg.master_port if cfg.num_nodes > 1 else 0
+    return dist.TCPStore("127.0.0.1", port, cfg.tensor_parallel_size, is_master=True,
+                         timeout=timedelta(seconds=cfg.rendezvous_timeout_s), wait_for_workers=False)
+
+
+def connect_store(cfg: ParallelConfig, addr: str, port: int) -> dist.TCPStore:
+    """A client of rank 0's store (retries until rank 0 listens, up to the rendezvous timeout)."""
+    return dist.TCPStore(addr, port, cfg.tensor_parallel_size, is_master=False,
+                         timeout=timedelta(seconds=cfg.rendezvous_timeout_s))
+
+
+def join_group(
+    store: dist.TCPStore,
+    cfg: ParallelConfig,
+    rank: int,
+    device: torch.device,
+    peers_alive: Callable[[], bool] = lambda: True,
+) -> dist.ProcessGroup:
+    """Wait until every rank has loaded, create the default group; return the control group."""
+    _wait_for_every_rank(store, cfg, rank, peers_alive)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    collective = timedelta(seconds=cfg.collective_timeout_s)
+    dist.init_process_group(backend, store=dist.PrefixStore("tp", store), rank=rank,
+                            world_size=cfg.tensor_parallel_size, timeout=collective)
+    return dist.new_group(backend="gloo", timeout=collective if rank == 0 else IDLE_WAIT)
+
+
+def _wait_for_every_rank(
+    store: dist.TCPStore, cfg: ParallelConfig, rank: int, peers_alive: Callable[[], bool]
+) -> None:
+    store.set(_loaded_key(rank), "1")
+    keys = [_loaded_key(r) for r in range(cfg.tensor_parallel_size)]
+    deadline = time.monotonic() + cfg.rendezvous_timeout_s
+    while not store.check(keys):
+        if not peers_alive():
+            raise RuntimeError("a tensor-parallel worker process of this pod exited before the group formed")
+        if time.monotonic() > deadline:
+            missing = [r for r in range(cfg.tensor_parallel_size) if not store.check([_loaded_key(r)])]
+            raise TimeoutError(f"tensor-parallel ranks {missing} did not load their shard within "
+                               f"{cfg.rendezvous_timeout_s:.0f}s")
+        time.sleep(_POLL_S)
+
+
+def _loaded_key(rank: int) -> str:
+    return f"loaded/{rank}"

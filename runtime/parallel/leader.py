@@ -1,0 +1,68 @@
+"""Global rank 0 of a tensor-parallel group: the engine, plus what keeps the other ranks in step.
+
+``start_leader_engine`` hosts the rendezvous store, spawns this pod's other ranks, loads rank
+0's shard while they load theirs, forms the group and returns an ``LLMEngine`` whose runner
+sends every step through the ``StepChannel``. The scheduler, the proposer (a draft model stays
+whole, on rank 0) and the verifier run here only, unchanged.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.engine.llm_engine import LLMEngine
+from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.models.tensor_parallel import TensorParallel
+from specdecode.runtime.parallel.group import bind_device, host_store, join_group
+from specdecode.runtime.parallel.step_channel import StepChannel
+from specdecode.runtime.parallel.workers import LocalWorkers
+
+log = logging.getLogger(__name__)
+WORKER_EXIT_GRACE_S = 30.0
+
+
+class Leader:
+    """Rank 0's hold on the group: the store, this pod's worker processes, the step channel."""
+
+    def __init__(self, store: dist.TCPStore, workers: LocalWorkers):
+        self.store = store  # the workers' rendezvous; kept alive with the group
+        self.workers = workers
+        self.channel: StepChannel | None = None  # once the group has formed
+
+    @property
+    def alive(self) -> bool:
+        """This pod's workers run and no step broke the group (ranks in other pods are watched by their own pod)."""
+        return self.workers.alive and not (self.channel is not None and self.channel.broken)
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait for them a while, kill what is left. Call with no step running."""
+        grace = 0.0
+        if self.channel is not None:
+            try:
+                self.channel.close()
+                grace = WORKER_EXIT_GRACE_S
+            except RuntimeError as exc:  # a worker is gone already: kill the rest
+                log.warning("could not send the shutdown message: %s", exc)
+            dist.destroy_process_group()
+        self.workers.stop(grace)
+
+
+def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
+    """(rank 0's engine, the served model name, the leader); raises (with the workers stopped) on failure."""
+    par = cfg.parallel
+    device = bind_device(cfg.load.device, 0, par.ranks_per_node)
+    store = host_store(par)
+    leader = Leader(store, LocalWorkers(cfg, par.local_ranks[1:], "127.0.0.1", store.port))
+    try:
+        loaded = load_model(cfg.load, TensorParallel(0, par.tensor_parallel_size))
+        control = join_group(store, par, 0, device, peers_alive=lambda: leader.workers.alive)
+        leader.channel = StepChannel(control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
+                           leader.channel)
+    except BaseException:
+        leader.shutdown()
+        raise
+    log.info("tensor-parallel group of %d ranks formed", par.tensor_parallel_size)
+    return engine, loaded.name, leader

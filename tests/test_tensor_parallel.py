@@ -1,0 +1,344 @@
+"""Tensor parallelism: greedy output equal to TP=1 (tiny llama at TP=2, SmolLM2 at TP=3, with and
+without n-gram speculation), config and flag validation, the operator's rendered arguments parsed
+by the runtime's own parser, and ``serve --tensor-parallel-size 2`` as a real process tree.
+
+Every multi-process run is a subprocess in its own session with a hard deadline: on any failure
+the whole process group (rank 0 and the workers it spawned) is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from pydantic import ValidationError
+
+from specdecode.operator.render import render
+from specdecode.operator.resolve import resolve
+from specdecode.runtime.cli import build_parser, engine_config
+from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SpeculativeConfig
+from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.models.tensor_parallel import TensorParallel
+
+MAX_TOKENS = 16
+# Rank 0 in a subprocess: one engine with n-gram speculation runs every prompt twice in one batch,
+# once with speculation capped to 0 for the request (plain decoding) and once with it on; prints
+# the token ids and the speculation counters as JSON.
+DRIVER = textwrap.dedent("""
+    import json, sys
+    from specdecode.runtime.config import EngineConfig
+    from specdecode.runtime.engine.async_engine import AsyncEngine
+    from specdecode.runtime.engine.sequence import SamplingParams
+
+    cfg = EngineConfig.model_validate_json(sys.argv[1])
+    prompts = json.loads(sys.argv[2])
+    async_engine = AsyncEngine.from_config(cfg)
+    engine = async_engine.engine
+    try:
+        out = {}
+        for name, k in (("plain", 0), ("ngram", None)):
+            params = SamplingParams(max_tokens=%d, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}/{i}", prompt, params)
+                out[f"{name}/{i}"] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
+        result = {name: [out[f"{name}/{i}"] for i in range(len(prompts))] for name in ("plain", "ngram")}
+        result["draft_tokens"], result["accepted_tokens"] = engine.spec.num_draft_tokens, engine.spec.num_accepted_tokens
+    finally:
+        async_engine.shutdown()
+    print(json.dumps(result))
+""" % MAX_TOKENS)
+
+
+def _run_group(argv: list[str], deadline_s: float, cwd: Path) -> subprocess.CompletedProcess:
+    """Run a process that spawns ranks; past the deadline, kill its whole process group."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        out, err = proc.communicate(timeout=deadline_s)
+    finally:
+        _kill_group(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait(timeout=10)
+
+
+def _tp_outputs(cfg: EngineConfig, prompts: list[list[int]], cwd: Path, deadline_s: float) -> dict:
+    done = _run_group([sys.executable, "-P", "-c", DRIVER, cfg.model_dump_json(), json.dumps(prompts)],
+                      deadline_s, cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _tp_config(model: str, size: int, cache_dir: Path | None) -> EngineConfig:
+    return EngineConfig(
+        load=LoadConfig(model=model, weight_cache_dir=cache_dir, device="cpu", dtype="float32"),
+        cache=CacheConfig(num_blocks=128, block_size=16),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify="greedy"),
+        parallel=ParallelConfig(tensor_parallel_size=size, rendezvous_timeout_s=60, collective_timeout_s=60),
+    )
+
+
+def _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got: dict) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs here: 2 OpenMP threads on 2 busy cores measured 10-20× slower
+    try:
+        expected = run_all(make_engine(loaded.model, loaded.tokenizer), prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    for name in ("plain", "ngram"):
+        for prompt, want, actual in zip(prompts, expected, got[name]):
+            assert_greedy_match(loaded.model, prompt, want, actual)
+    assert got["draft_tokens"] > 0  # the speculative pass really drafted
+
+
+@pytest.mark.timeout(60)
+def test_tp2_tiny_llama_greedy_equals_tp1(tiny_hf_model_dir, tmp_path, make_engine, run_all, assert_greedy_match):
+    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
+    texts = ["Hello world! The quick", "def add(a, b):\n    return", "The capital of France is Paris. The capital"]
+    prompts = [loaded.tokenizer.encode(t) for t in texts]
+    got = _tp_outputs(_tp_config(str(tiny_hf_model_dir), 2, None), prompts, tmp_path, deadline_s=50)
+    _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
+
+
+@pytest.mark.timeout(90)
+def test_tp3_smollm2_greedy_equals_tp1(smollm2, smol_rep, cache_dir, tmp_path, make_engine, run_all,
+                                       assert_greedy_match):
+    """SmolLM2 has 9 attention heads and 3 KV heads: 3 ranks of 3 heads and 1 KV head each."""
+    prompts = smol_rep[:3]
+    got = _tp_outputs(_tp_config("smollm2-135m", 3, cache_dir), prompts, tmp_path, deadline_s=80)
+    _check_against_tp1(smollm2, prompts, make_engine, run_all, assert_greedy_match, got)
+    assert got["accepted_tokens"] > 0  # verification accepted drafts: multi-position steps ran sharded
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def test_heads_that_do_not_split_are_refused_naming_the_numbers(smollm2, tiny_hf_model_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 .* attention heads \(9\), KV heads \(3\)"):
+        TensorParallel(0, 2).check(smollm2.config)
+    TensorParallel(0, 3).check(smollm2.config)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .* attention heads \(4\), KV heads \(2\)"):
+        load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None), TensorParallel(0, 3))
+
+
+def test_shards_cut_heads_and_intermediate_and_fuse_per_rank(tiny_hf_model_dir):
+    full = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None)).model
+    c = full.config  # 4 heads, 2 KV heads, head_dim 16, intermediate 128
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for rank in (0, 1):
+        shard = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None), TensorParallel(rank, 2))
+        attn, mlp = shard.model.model.layers[0].self_attn, shard.model.model.layers[0].mlp
+        whole_attn, whole_mlp = full.model.layers[0].self_attn, full.model.layers[0].mlp
+        wq, wk, wv = whole_attn.qkv_proj.weight.split([q, kv, kv])
+        rows = lambda w: w.chunk(2)[rank]  # noqa: E731
+        assert (attn.num_heads, attn.num_kv_heads, shard.model.num_local_kv_heads) == (2, 1, 1)
+        assert attn.qkv_proj.weight.equal(torch.cat([rows(wq), rows(wk), rows(wv)]))
+        assert attn.o_proj.weight.equal(whole_attn.o_proj.weight.chunk(2, dim=1)[rank])
+        gate, up = whole_mlp.gate_up_proj.weight.split(c.intermediate_size)
+        assert mlp.gate_up_proj.weight.equal(torch.cat([rows(gate), rows(up)]))
+        assert mlp.down_proj.weight.equal(whole_mlp.down_proj.weight.chunk(2, dim=1)[rank])
+        assert shard.model.lm_head.weight.equal(full.lm_head.weight)  # replicated
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(tensor_parallel_size=0), "greater than or equal to 1"),
+    (dict(tensor_parallel_size=3, num_nodes=2, master_port=29500), r"multiple of the number of pods NNODES \(2\)"),
+    (dict(tensor_parallel_size=4, num_nodes=2, node_rank=2, master_port=29500), r"NODE_RANK \(2\) must be below"),
+    (dict(tensor_parallel_size=4, num_nodes=2, master_port=29500), "needs MASTER_ADDR and MASTER_PORT"),
+])
+def test_parallel_config_is_validated(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_tensor_parallel_flag_and_env():
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve"]), {}).parallel == ParallelConfig()
+    cfg = engine_config(parser.parse_args(["serve", "--tensor-parallel-size", "4"]), {}).parallel
+    assert (cfg.tensor_parallel_size, cfg.num_nodes, list(cfg.local_ranks)) == (4, 1, [0, 1, 2, 3])
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "leader.llm.svc", "MASTER_PORT": "29500"}
+    cfg = engine_config(parser.parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "4"]), env).parallel
+    assert (cfg.ranks_per_node, list(cfg.local_ranks), cfg.master_addr, cfg.master_port) == (2, [2, 3],
+                                                                                             "leader.llm.svc", 29500)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tensor-parallel-size", "two"])
+
+
+# -- the operator/runtime contract --------------------------------------------------------------
+
+
+def _rendered_container(**spec) -> dict:
+    body = {"model": {"uri": "smollm2-135m"}, "image": "specdecode/runtime:test", **spec}
+    answer = resolve({"apiVersion": "specdecode.io/v1alpha1", "kind": "SpecDecodeDeployment",
+                      "metadata": {"name": "demo", "namespace": "llm"}, "spec": body})
+    assert answer.allowed, answer.message
+    workload = next(o for o in render(answer.resolved) if o["kind"] in ("Deployment", "StatefulSet"))
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_rendered_tensor_parallel_args_parse_with_the_serve_parser():
+    container = _rendered_container(parallelism={"tensor": 2})
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "serve"
+    assert engine_config(args, {}).parallel.tensor_parallel_size == 2
+
+
+def test_rendered_multi_pod_group_env_builds_the_rank_layout():
+    container = _rendered_container(parallelism={"tensor": 4}, resources={"gpusPerPod": 2})
+    args = build_parser().parse_args(container["args"])
+    env = {e["name"]: e.get("value", "1") for e in container["env"]}  # NODE_RANK comes from the pod's index: say 1
+    cfg = engine_config(args, env).parallel
+    assert (cfg.tensor_parallel_size, cfg.num_nodes, cfg.node_rank, list(cfg.local_ranks)) == (4, 2, 1, [2, 3])
+    assert cfg.master_port == 29500 and cfg.master_addr.startswith("demo-")
+
+
+# -- serve as a process tree --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def _start_serve(model: Path, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
+           "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--tensor-parallel-size", "2",
+           "--log-level", "warning"]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+
+
+@pytest.mark.timeout(60)
+def test_serve_tp2_answers_then_sigterm_leaves_no_process_behind(tiny_hf_model_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_hf_model_dir, port, log)
+    try:
+        _wait_ready(proc, url, log, timeout=40)
+        spawned = _descendants(proc.pid)
+        assert any(_is_worker(pid) for pid in spawned), "rank 0 spawned no worker"
+        body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in spawned):
+            assert time.monotonic() < deadline, f"left behind: {[p for p in spawned if _running(p)]}"
+            time.sleep(0.1)
+    finally:
+        _kill_group(proc)
+
+
+@pytest.mark.timeout(60)
+def test_serve_tp2_health_fails_when_a_worker_dies(tiny_hf_model_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_hf_model_dir, port, log)
+    try:
+        _wait_ready(proc, url, log, timeout=40)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        (worker,) = [pid for pid in _descendants(proc.pid) if _is_worker(pid)]  # rank 1
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 after the worker died"
+            time.sleep(0.1)
+        failed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert failed.status_code >= 500  # the step fails fast instead of hanging
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-4000:]
+    finally:
+        _kill_group(proc)
+
+
+@pytest.mark.timeout(60)
+def test_two_pods_node_0_serves_and_node_1_runs_its_rank_behind_probes(tiny_hf_model_dir, tmp_path):
+    """The multi-pod layout the operator renders, as two local processes: NNODES=2, one rank each."""
+    group = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    ports, logs = [_free_port(), _free_port()], [tmp_path / "node0.log", tmp_path / "node1.log"]
+    node1 = _start_serve(tiny_hf_model_dir, ports[1], logs[1], {**group, "NODE_RANK": "1"})
+    node0 = _start_serve(tiny_hf_model_dir, ports[0], logs[0], {**group, "NODE_RANK": "0"})
+    url0, url1 = (f"http://127.0.0.1:{p}" for p in ports)
+    try:
+        _wait_ready(node1, url1, logs[1], timeout=40)
+        _wait_ready(node0, url0, logs[0], timeout=40)
+        assert httpx.get(url1 + "/health", timeout=5).status_code == 200
+        assert httpx.post(url1 + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 501  # no API
+        spawned = _descendants(node1.pid)
+        body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(url0 + "/v1/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] == 8
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(timeout=30) == 0, logs[0].read_text()[-4000:]
+        assert node1.wait(timeout=30) == 0, logs[1].read_text()[-4000:]  # its rank was told to stop
+        assert not any(_running(pid) for pid in spawned if _is_worker(pid))
+    finally:
+        _kill_group(node0)
+        _kill_group(node1)
