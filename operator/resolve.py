@@ -190,6 +190,11 @@ def _unavailable_methods(raw: Mapping[str, Any]) -> list[str]:
     return []
 
 
+PIPELINE_UNAVAILABLE = ("pipeline parallelism is not available yet (the runtime runs every layer in each rank); "
+                        "set pipeline to 1: tensor parallelism is, in one pod or across pods with "
+                        "resources.gpusPerPod")
+
+
 def _path(loc: Iterable[Any]) -> str:
     out = "spec"
     for part in loc:
@@ -276,6 +281,8 @@ def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
     if draft and "://" in draft:
         errors.append("spec.speculative.draftModel: takes a packaged alias or a path inside the pod (mount it with "
                       "spec.pod.volumes and spec.pod.volumeMounts), not an address")
+    if spec.parallelism.pipeline > 1:
+        errors.append(f"spec.parallelism.pipeline: {PIPELINE_UNAVAILABLE}")
     gates = {*spec.gates, *spec.speculative.gates}
     rule = mtp_pipeline_rule(spec.speculative.method.value, spec.parallelism.pipeline, gates)
     if rule:

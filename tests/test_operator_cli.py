@@ -44,7 +44,7 @@ def test_validate_warnings_go_to_stderr_and_old_checks_immutability(tmp_path, ca
     captured = capsys.readouterr()
     assert captured.out == "allowed: smollm2-ngram\n"
     assert captured.err.startswith("Warning: spec.speculative.verify: 'topp' is lossy")
-    body["spec"]["parallelism"] = {"pipeline": 2}
+    body["spec"]["parallelism"] = {"tensor": 2}
     new.write_text(yaml.safe_dump(body))
     assert main(["validate", str(new), "--old", GOOD]) == 1
     assert "spec.parallelism: the parallel group is immutable" in capsys.readouterr().out

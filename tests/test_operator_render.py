@@ -1,5 +1,6 @@
 """render: layouts, runtime arguments, revision hash, and every object valid for Kubernetes."""
 import json
+from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
@@ -21,9 +22,19 @@ def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 def resolved(**spec: Any) -> Resolved:
+    """resolve() refuses pipeline > 1 until the runtime has pipeline parallelism; render's layout
+    for it is built ahead, so such a spec is resolved at pipeline 1 and given its stages here."""
+    pipeline = spec.get("parallelism", {}).get("pipeline", 1)
+    if pipeline > 1:
+        spec = {**spec, "parallelism": {**spec["parallelism"], "pipeline": 1}}
     answer = resolve(cr(**spec))
     assert answer.allowed, answer.message
-    return answer.resolved
+    r = answer.resolved
+    if pipeline == 1:
+        return r
+    parallelism = r.spec.parallelism.model_copy(update={"pipeline": pipeline})
+    return replace(r, spec=r.spec.model_copy(update={"parallelism": parallelism}),
+                   layout=replace(r.layout, pipeline=pipeline))
 
 
 def kinds(objs: list[dict[str, Any]]) -> list[str]:

@@ -32,8 +32,8 @@ def test_minimal_spec_gets_every_default():
 @pytest.mark.parametrize(("tensor", "pipeline", "gpus", "pods"), [
     (4, 1, None, 1),  # TP in one pod
     (4, 1, 2, 2),  # a stage spread over two pods
-    (2, 3, None, 3),  # one pod per stage
-    (2, 2, 0, 2),  # CPU: same layout, no GPUs
+    (8, 1, 2, 4),  # four pods of two GPUs
+    (2, 1, 0, 1),  # CPU: no GPUs, both ranks in one pod
 ])
 def test_gpus_per_pod_default_and_layout(tensor, pipeline, gpus, pods):
     resources = {} if gpus is None else {"gpusPerPod": gpus}
@@ -69,6 +69,12 @@ def test_mtp_is_refused_until_the_runtime_has_it():
     message = refusal(cr(speculative={"method": "mtp"}, parallelism={"pipeline": 2}))
     assert "spec.speculative.method: 'mtp' is not available yet" in message and "use ngram, suffix or draft" in message
     assert message.count("spec.speculative.method") == 1  # not the enum error a second time
+
+
+def test_pipeline_parallelism_is_refused_until_the_runtime_has_it():
+    message = refusal(cr(parallelism={"tensor": 2, "pipeline": 2}))
+    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet" in message
+    assert "set pipeline to 1" in message
 
 
 def test_mtp_with_pipeline_parallelism_needs_its_gate():
