@@ -1,0 +1,289 @@
+"""controller: one reconciliation of a SpecDecodeDeployment, and the operator's configuration.
+
+``reconcile`` reads the resource and its children, asks the pure cores what should be
+(``resolve`` → ``render.revision`` → ``rollout.advance`` → ``reconcile.plan``), then writes the
+children, the status, Events and metrics. Every trigger runs it: the resource's create/update/
+resume (spec changes and command annotations), an event on one of its workloads (readiness), and
+the analysis daemon every ``analysis.interval`` while a canary exists (``analyze=True`` adds a
+verdict from the canary pods' ``/metrics`` or from Prometheus). Runs of one resource are
+serialised by a lock, and each starts from a fresh read, so concurrent triggers cannot apply a
+stale state.
+
+Configuration comes from the environment once, in the startup handler (``OperatorConfig``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from specdecode.operator import kube, names
+from specdecode.operator.analysis import (
+    History,
+    Measurement,
+    Verdict,
+    judge,
+    measurement_from_prometheus,
+    parse_metrics,
+    prometheus_queries,
+)
+from specdecode.operator.metrics import OperatorMetrics
+from specdecode.operator.reconcile import (
+    Plan,
+    invalid_status,
+    is_invalid,
+    plan,
+    read_status,
+    ready_replicas,
+    scrape_targets,
+    status_patch,
+)
+from specdecode.operator.render import revision, serving_selector
+from specdecode.operator.resolve import Resolved, duration_seconds, resolve
+from specdecode.operator.rollout import Event, EventType, advance, read_commands
+from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus
+from specdecode.runtime.config import SpeculativeMethod
+
+KOPF_PREFIX = f"kopf.{names.GROUP}"  # kopf's own annotations; ours (commands) stay in names.GROUP
+ENV_WEBHOOK_PORT = "SPECDECODE_WEBHOOK_PORT"
+ENV_WEBHOOK_CERT_DIR = "SPECDECODE_WEBHOOK_CERT_DIR"
+ENV_METRICS_PORT = "SPECDECODE_METRICS_PORT"
+ENV_KUBECONFIG = "KUBECONFIG"
+DEFAULT_METRICS_PORT = 8081
+SCRAPE_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    webhook_port: int | None = None  # None: no webhook server
+    webhook_cert_dir: Path | None = None  # tls.crt + tls.key; None: plain HTTP
+    metrics_port: int = DEFAULT_METRICS_PORT
+    kubeconfig: str | None = None  # outside a cluster
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
+        def value(key: str) -> str | None:
+            return env.get(key, "").strip() or None  # unset and empty alike
+
+        webhook_port, cert_dir, metrics_port = (value(k) for k in (ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR,
+                                                                   ENV_METRICS_PORT))
+        return cls(webhook_port=int(webhook_port) if webhook_port else None,
+                   webhook_cert_dir=Path(cert_dir) if cert_dir else None,
+                   metrics_port=int(metrics_port) if metrics_port else DEFAULT_METRICS_PORT,
+                   kubeconfig=value(ENV_KUBECONFIG))
+
+
+async def no_webhook_server(fn: Any) -> Any:
+    """Stands in for a webhook server when none is configured (kopf insists on one whenever a
+    validating handler exists): it listens nowhere and never hands out a client config."""
+    await asyncio.Event().wait()
+    yield  # never reached; makes this an async generator, as kopf expects of a server
+
+
+def webhook_server(config: OperatorConfig, logger: logging.Logger) -> Any:
+    if config.webhook_port is None:
+        return no_webhook_server
+    if config.webhook_cert_dir is None:
+        logger.warning("%s is not set: the admission webhook serves plain HTTP (tests, or behind a TLS proxy)",
+                       ENV_WEBHOOK_CERT_DIR)
+        return kopf.WebhookServer(addr="0.0.0.0", port=config.webhook_port, insecure=True)
+    return kopf.WebhookServer(addr="0.0.0.0", port=config.webhook_port,
+                              certfile=config.webhook_cert_dir / "tls.crt", pkeyfile=config.webhook_cert_dir / "tls.key")
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig, logger: logging.Logger) -> None:
+    """kopf's settings: state in annotations (the CRD's structural schema has no room for kopf in
+    status), a finalizer in our group (kopf needs one to stop the analysis daemon), handler logs
+    posted as Events only from warnings up, the webhook server."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+    settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.admission.server = webhook_server(config, logger)
+
+
+# -- per-resource memory ------------------------------------------------------------------------
+
+
+class Memory:
+    """A lock per resource and the canary's samples (lost on restart: see analysis.py)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._histories: dict[tuple[str, str], History] = {}
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def history(self, namespace: str, name: str, revision_: str) -> History:
+        kept = self._histories.get((namespace, name))
+        return kept if kept is not None and kept.revision == revision_ else History(revision_)
+
+    def keep(self, namespace: str, name: str, history: History) -> None:
+        self._histories[namespace, name] = history
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            self._locks.pop((namespace, name), None)
+            self._histories.pop((namespace, name), None)
+
+
+@dataclass
+class Context:
+    """What every handler shares (kopf's memo carries it)."""
+
+    cluster: kube.Cluster
+    metrics: OperatorMetrics
+    memory: Memory = field(default_factory=Memory)
+
+    @classmethod
+    def start(cls, config: OperatorConfig) -> Context:
+        metrics = OperatorMetrics()
+        metrics.serve(config.metrics_port)
+        return cls(kube.Cluster(config.kubeconfig), metrics)
+
+    def stop(self) -> None:
+        self.metrics.stop()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.memory.forget(namespace, name)
+        self.metrics.forget(namespace, name)
+
+
+def analysis_interval(body: Mapping[str, Any]) -> float:
+    """Seconds between analyses (the default interval while the spec is invalid)."""
+    resolved = resolve(body).resolved
+    analysis = resolved.spec.rollout.analysis if resolved is not None else Analysis()
+    return duration_seconds(analysis.interval)
+
+
+# -- one reconciliation -------------------------------------------------------------------------
+
+
+def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
+              old: Mapping[str, Any] | None = None, analyze: bool = False) -> bool:
+    """One pass; False when the resource is gone or going (nothing was done)."""
+    with ctx.memory.lock(namespace, name), ctx.metrics.counting_errors(namespace, name):
+        body = ctx.cluster.get(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return False
+        now = datetime.now(timezone.utc)
+        status = read_status(body)
+        # the old spec counts for the immutable fields only if it was ever served
+        served = status.stable_revision is not None and not is_invalid(status)
+        resolution = resolve(body, old if served else None)
+        if resolution.resolved is None:
+            _refuse(ctx, body, status, resolution.message, now)
+        else:
+            _converge(ctx, body, resolution.resolved, status, now, logger, analyze=analyze)
+        return True
+
+
+def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentStatus, message: str,
+            now: datetime) -> None:
+    """An invalid spec (admission bypassed): say why in status, leave what runs alone, no retry."""
+    meta = body["metadata"]
+    if is_invalid(status, message) and status.observed_generation == meta.get("generation"):
+        return
+    new = invalid_status(status, message, meta.get("generation"), now)
+    ctx.cluster.patch_status(meta["namespace"], meta["name"], status_patch(new))
+    kube.post_events(body, [Event(EventType.WARNING, "InvalidSpec", message)])
+
+
+def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDecodeDeploymentStatus,
+              now: datetime, logger: logging.Logger, *, analyze: bool) -> None:
+    cluster, meta = ctx.cluster, body["metadata"]
+    lws = cluster.serves(kube.LEADER_WORKER_SET.api_version)
+    existing = cluster.children(r.namespace, r.name)
+    verdict = _analyse(ctx, r, status, now, logger, lws=lws) if analyze else None
+    desired = revision(r, leader_worker_set=lws)
+    t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
+                verdict=verdict, commands=read_commands(meta.get("annotations")))
+    warnings = _apply(cluster, body, plan(r, desired, t.replicas, existing, leader_worker_set=lws))
+    new = t.status.model_copy(update={
+        "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *warnings),
+        "selector": names.label_selector(serving_selector(r, leader_worker_set=lws))})
+    if new != status:
+        cluster.patch_status(r.namespace, r.name, status_patch(new))
+    cluster.remove_annotations(r.namespace, r.name, t.consumed_annotations)
+    kube.post_events(body, t.events)
+    _record(ctx.metrics, r, status, new, verdict)
+
+
+def _apply(cluster: kube.Cluster, owner: Mapping[str, Any], changes: Plan) -> list[str]:
+    """Scale down and delete first (GPUs free up), then create, adopted by ``owner``. An object
+    of an API the cluster does not serve (ServiceMonitor without the Prometheus operator) is
+    skipped with a warning for the status instead of failing every reconciliation."""
+    for obj in changes.delete:
+        cluster.delete(obj)
+    for obj in changes.patch:
+        cluster.patch(obj)
+    warnings = []
+    for obj in changes.create:
+        if not cluster.serves(obj["apiVersion"]):
+            warnings.append(f"{obj['kind']} {obj['metadata']['name']} not created: the cluster does not serve "
+                            f"{obj['apiVersion']}")
+            continue
+        kopf.adopt(obj, owner=owner)
+        cluster.create(obj)
+    return warnings
+
+
+def _record(metrics: OperatorMetrics, r: Resolved, before: SpecDecodeDeploymentStatus,
+            after: SpecDecodeDeploymentStatus, verdict: Verdict | None) -> None:
+    if verdict is not None and verdict.measurement.revision == before.canary_revision:
+        metrics.analysed(r.namespace, r.name, verdict.result.value)
+    rolled_back = RolloutPhase.ROLLED_BACK
+    if after.rollout.phase == rolled_back and before.rollout.phase != rolled_back:
+        metrics.rolled_back(r.namespace, r.name)
+    metrics.observe(r.namespace, r.name, after)
+
+
+# -- analysis -----------------------------------------------------------------------------------
+
+
+def _analyse(ctx: Context, r: Resolved, status: SpecDecodeDeploymentStatus, now: datetime,
+             logger: logging.Logger, *, lws: bool) -> Verdict | None:
+    """The canary's verdict over the last window; None without a canary or without data yet."""
+    canary, analysis = status.canary_revision, r.spec.rollout.analysis
+    if canary is None:
+        return None
+    try:
+        if analysis.prometheus is not None:
+            queries = prometheus_queries(r.namespace, r.name, canary, analysis.window)
+            results = kube.query_prometheus(analysis.prometheus.url, queries, SCRAPE_TIMEOUT_SECONDS)
+            measurement: Measurement | None = measurement_from_prometheus(results, canary, now, analysis.window)
+        else:
+            measurement = _scrape(ctx, r, canary, now, logger, lws=lws)
+    except kube.ScrapeError as exc:
+        logger.warning("analysis of %s skipped: %s", canary, exc)
+        return None
+    if measurement is None:
+        return None
+    return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE)
+
+
+def _scrape(ctx: Context, r: Resolved, canary: str, now: datetime, logger: logging.Logger, *,
+            lws: bool) -> Measurement | None:
+    """Sample every running canary pod's ``/metrics``; the increase over the window so far."""
+    window = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.window))
+    pods = ctx.cluster.pods(r.namespace, {**serving_selector(r, leader_worker_set=lws), names.LABEL_REVISION: canary})
+    history = ctx.memory.history(r.namespace, r.name, canary)
+    for pod, url in scrape_targets(pods):
+        try:
+            snapshot = parse_metrics(kube.fetch(url, SCRAPE_TIMEOUT_SECONDS))
+        except (kube.ScrapeError, ValueError) as exc:  # unreachable, or not a Prometheus exposition
+            logger.warning("canary pod %s not sampled: %s", pod, exc)
+            continue
+        history = history.record(pod, now, snapshot, keep=window)
+    ctx.memory.keep(r.namespace, r.name, history)
+    return history.measure(now, window)

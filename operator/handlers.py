@@ -1,0 +1,86 @@
+"""Every kopf handler of the operator; each unpacks its arguments and calls one function.
+
+Run as the Helm chart does::
+
+    kopf run --standalone --all-namespaces --liveness=http://0.0.0.0:8080/healthz -m specdecode.operator.handlers
+
+Environment (read once, at startup): ``SPECDECODE_WEBHOOK_PORT`` (unset or empty: no webhook
+server), ``SPECDECODE_WEBHOOK_CERT_DIR`` (tls.crt, tls.key), ``SPECDECODE_METRICS_PORT`` (default
+8081), ``KUBECONFIG`` outside a cluster. The validating webhook answers on ``/{WEBHOOK_ID}``
+(kopf routes by handler id); the chart's ValidatingWebhookConfiguration points there.
+
+Deletion needs no handler of its own: every child carries a controller owner reference, so the
+garbage collector removes them with the resource. kopf puts a finalizer on resources while the
+analysis daemon runs, only to stop the daemon first.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from specdecode.operator import controller, names
+from specdecode.operator.resolve import resolve
+
+RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
+WEBHOOK_ID = "validate-specdecodedeployment"
+WORKLOADS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+
+
+@kopf.on.startup()
+def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    config = controller.OperatorConfig.from_env(os.environ)
+    controller.configure(settings, config, logger)
+    memo.ctx = controller.Context.start(config)
+
+
+@kopf.on.cleanup()
+def stop(memo: kopf.Memo, **_: Any) -> None:
+    memo.ctx.stop()
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+def reconcile(namespace: str, name: str, old: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Spec changes and the command annotations (promote, abort, pause, resume)."""
+    controller.reconcile(memo.ctx, namespace, name, logger, old=old)
+
+
+def has_canary(status: kopf.Status, **_: Any) -> bool:
+    return bool(status.get("canaryRevision"))
+
+
+@kopf.daemon(*RESOURCE, when=has_canary, cancellation_timeout=30)
+async def analyse(stopped: kopf.DaemonStopped, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                  logger: logging.Logger, **_: Any) -> None:
+    """While a canary exists: every spec.rollout.analysis.interval, judge it and move the rollout.
+    Async, so that kopf can cancel it; the blocking work runs in a thread."""
+    while not await stopped.wait(controller.analysis_interval(body)):
+        if not await asyncio.to_thread(controller.reconcile, memo.ctx, namespace, name, logger, analyze=True):
+            return  # deleted (possibly before kopf's finalizer was on it to stop this daemon)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)
+@kopf.on.event("apps", "v1", "statefulsets", labels=WORKLOADS)
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=WORKLOADS)
+def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logger: logging.Logger,
+                     **_: Any) -> None:
+    """A workload's readiness moves the rollout on (and a deleted one is made again)."""
+    controller.reconcile(memo.ctx, namespace, labels[names.LABEL_INSTANCE], logger)
+
+
+@kopf.on.delete(*RESOURCE, optional=True)
+def forget(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.ctx.forget(namespace, name)
+
+
+@kopf.on.validate(*RESOURCE, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
+def validate(body: kopf.Body, old: kopf.Body | None, warnings: list[str], **_: Any) -> None:
+    answer = resolve(body, old)
+    warnings.extend(answer.warnings)
+    if not answer.allowed:
+        raise kopf.AdmissionError(answer.message, code=422)

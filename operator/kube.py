@@ -1,0 +1,216 @@
+"""The operator's I/O: the Kubernetes API (the official ``kubernetes`` client), pods' ``/metrics``
+over HTTP, Prometheus' query API, and Events (through kopf's poster).
+
+Objects go in and come out as plain dicts, as ``render`` builds them. Changes are JSON merge
+patches (``application/merge-patch+json``): a list in the desired object replaces the live one, so
+what the operator renders is what runs (a strategic merge would keep list items it dropped).
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import kopf
+import kubernetes
+
+from specdecode.operator import names
+from specdecode.operator.rollout import Event
+
+Obj = dict[str, Any]
+MERGE_PATCH = "application/merge-patch+json"
+DISCOVERY_TTL_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+STATEFUL_SET = Kind("apps/v1", "StatefulSet", "statefulsets")
+LEADER_WORKER_SET = Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets")
+SERVICE = Kind("v1", "Service", "services")
+POD = Kind("v1", "Pod", "pods")
+PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+SPEC_DECODE = Kind(names.API_VERSION, names.KIND, names.PLURAL)
+# What render may create; a kind the cluster does not serve is skipped when listing children.
+CHILD_KINDS = (DEPLOYMENT, STATEFUL_SET, LEADER_WORKER_SET, SERVICE, PDB, SERVICE_MONITOR)
+KINDS = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, POD, SPEC_DECODE)}
+
+
+def kind_of(obj: Mapping[str, Any]) -> Kind:
+    return KINDS[obj["apiVersion"], obj["kind"]]
+
+
+class ScrapeError(OSError):
+    """A pod's /metrics or Prometheus could not be read."""
+
+
+@contextmanager
+def _gone_is_fine() -> Iterator[None]:
+    """Let a 404 (the object does not exist) pass; any other API error goes on."""
+    try:
+        yield
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def connect(kubeconfig: str | None) -> kubernetes.client.ApiClient:
+    """A client for the in-cluster service account, else for ``kubeconfig`` (default ~/.kube/config)."""
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
+    return kubernetes.client.ApiClient(config)
+
+
+class Cluster:
+    """The Kubernetes API as the operator uses it; connects on first use (after kopf's login)."""
+
+    def __init__(self, kubeconfig: str | None = None) -> None:
+        self._kubeconfig = kubeconfig
+        self._served: tuple[float, frozenset[str]] | None = None
+
+    @cached_property
+    def api(self) -> kubernetes.client.ApiClient:
+        return connect(self._kubeconfig)
+
+    @cached_property
+    def _custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    @cached_property
+    def _core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    # -- the SpecDecodeDeployment ----------------------------------------------------------------
+
+    def get(self, namespace: str, name: str) -> Obj | None:
+        """The resource, or None once it is gone."""
+        with _gone_is_fine():
+            return self._custom.get_namespaced_custom_object(
+                SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name)
+        return None
+
+    def patch_status(self, namespace: str, name: str, status: Obj) -> None:
+        with _gone_is_fine():  # deleted since it was read: nothing left to report on
+            self._custom.patch_namespaced_custom_object_status(
+                SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name, {"status": status})
+
+    def remove_annotations(self, namespace: str, name: str, keys: Iterable[str]) -> None:
+        annotations = {key: None for key in keys}
+        if annotations:
+            with _gone_is_fine():
+                self._custom.patch_namespaced_custom_object(
+                    SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name,
+                    {"metadata": {"annotations": annotations}})
+
+    # -- discovery -------------------------------------------------------------------------------
+
+    def serves(self, api_version: str) -> bool:
+        """Whether the cluster serves ``group/version`` (discovery, cached for a minute)."""
+        now = time.monotonic()
+        if self._served is None or now - self._served[0] > DISCOVERY_TTL_SECONDS:
+            groups = kubernetes.client.ApisApi(self.api).get_api_versions().groups
+            self._served = (now, frozenset({"v1"} | {v.group_version for g in groups for v in g.versions}))
+        return api_version in self._served[1]
+
+    # -- children --------------------------------------------------------------------------------
+
+    def children(self, namespace: str, name: str) -> list[Obj]:
+        """Every object the operator made for resource ``name`` (by label), of the kinds served."""
+        selector = names.label_selector(names.common_labels(name))
+        out: list[Obj] = []
+        for kind in CHILD_KINDS:
+            if self.serves(kind.api_version):
+                out += self.list(kind, namespace, selector)
+        return out
+
+    def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
+        if kind.group:
+            listed = self._custom.list_namespaced_custom_object(
+                kind.group, kind.version, namespace, kind.plural, label_selector=selector)
+        else:
+            listing = {SERVICE: self._core.list_namespaced_service, POD: self._core.list_namespaced_pod}[kind]
+            listed = self.api.sanitize_for_serialization(listing(namespace, label_selector=selector))
+        # typed lists leave apiVersion and kind out of their items
+        return [{**item, "apiVersion": kind.api_version, "kind": kind.kind} for item in listed["items"]]
+
+    def create(self, obj: Obj) -> None:
+        kind, namespace = kind_of(obj), obj["metadata"]["namespace"]
+        if kind.group:
+            self._custom.create_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, obj)
+        else:
+            self._core.create_namespaced_service(namespace, obj)
+
+    def patch(self, obj: Obj) -> None:
+        """Merge ``obj`` (a desired object or a partial one with apiVersion, kind and metadata) in."""
+        kind, meta = kind_of(obj), obj["metadata"]
+        if kind.group:
+            self._custom.patch_namespaced_custom_object(
+                kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], obj)
+        else:
+            self._core.patch_namespaced_service(meta["name"], meta["namespace"], obj, _content_type=MERGE_PATCH)
+
+    def delete(self, obj: Mapping[str, Any]) -> None:
+        kind, meta = kind_of(obj), obj["metadata"]
+        with _gone_is_fine():  # already gone is what we wanted
+            if kind.group:
+                self._custom.delete_namespaced_custom_object(
+                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"])
+            else:
+                self._core.delete_namespaced_service(meta["name"], meta["namespace"])
+
+    def pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
+        return self.list(POD, namespace, names.label_selector(dict(labels)))
+
+
+# -- HTTP: pods and Prometheus --------------------------------------------------------------------
+
+
+def fetch(url: str, timeout: float) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http(s) URLs we built
+            return response.read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts (OSErrors); a bad URL (ValueError)
+        raise ScrapeError(f"{url}: {exc}") from exc
+
+
+def query_prometheus(base_url: str, queries: Mapping[str, str], timeout: float) -> dict[str, list[Obj]]:
+    """Each instant query's ``data.result`` vector, by key."""
+    results: dict[str, list[Obj]] = {}
+    for key, query in queries.items():
+        url = f"{base_url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+        try:
+            answer = json.loads(fetch(url, timeout))
+        except json.JSONDecodeError as exc:
+            raise ScrapeError(f"{base_url}: not a Prometheus answer: {exc}") from exc
+        if answer.get("status") != "success":
+            raise ScrapeError(f"{base_url}: {query}: {answer.get('error', answer)}")
+        results[key] = answer["data"]["result"]
+    return results
+
+
+def post_events(owner: Mapping[str, Any], events: Sequence[Event]) -> None:
+    for event in events:
+        kopf.event(owner, type=event.type.value, reason=event.reason, message=event.message)

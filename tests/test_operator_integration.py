@@ -1,0 +1,368 @@
+"""The operator end to end: the real kopf runtime (as the chart runs it) against the emulated API
+server (kube_emulator.py), driven through the official ``kubernetes`` client.
+
+Canary pods are stand-ins the tests create: labelled with the canary revision, ``podIP``
+127.0.0.1 and an ``http`` port where a real HTTP server serves the runtime's Prometheus metrics,
+advancing its counters at a chosen acceptance rate on every scrape. Analysis runs every second
+over a two-second window, so a whole rollout takes a few seconds.
+"""
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from kube_emulator import ApiServer, serve
+from operator_harness import (
+    HttpStandIn,
+    PrometheusStandIn,
+    RuntimeStandIn,
+    free_port,
+    healthy,
+    running_operator,
+    wait_for,
+    write_kubeconfig,
+)
+
+from specdecode.operator import metrics, names
+from specdecode.operator.crd import build_crd
+
+pytestmark = pytest.mark.timeout(120)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NS = "llm"
+FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "maxP95InterTokenLatencyMs": 250,
+                 "failureLimit": 2}
+
+
+# -- the cluster and the operator ---------------------------------------------------------------
+
+
+class Cluster:
+    """The kubernetes client's view of the emulator at ``url``, and the operator run against it."""
+
+    def __init__(self, client: kubernetes.client.ApiClient, url: str, metrics_port: int, liveness_port: int) -> None:
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.url, self.liveness_port = url, liveness_port
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
+        self.operator_logs: list[str] = []
+        self._operator: ExitStack | None = None
+
+    def start_operator(self) -> None:
+        self._operator = ExitStack()
+        self._runner = self._operator.enter_context(running_operator(self.url, self.liveness_port))
+
+    def stop_operator(self) -> None:
+        if self._operator is not None:
+            self._operator.close()
+            self._operator = None
+            self.operator_logs.append(self._runner.output)
+
+    def create(self, body: dict[str, Any]) -> None:
+        self.custom.create_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, body)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name)
+
+    def patch(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name, patch)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.get(name).get("status") or {}
+
+    def condition(self, name: str, type_: str) -> dict[str, Any]:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), {})
+
+    def deployments(self, name: str) -> dict[str, Any]:
+        listed = self.apps.list_namespaced_deployment(NS, label_selector=f"{names.LABEL_INSTANCE}={name}")
+        return {d.metadata.name: d for d in listed.items}
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        return [(e.type, e.reason, e.message) for e in self.core.list_namespaced_event(NS).items
+                if e.involved_object.name == name]
+
+    def operator_metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            return response.read().decode()
+
+    def stand_in_pod(self, name: str, revision: str, port: int) -> None:
+        """A ready pod of ``revision`` whose runtime listens on 127.0.0.1:``port``."""
+        labels = {**names.selector_labels(name), names.LABEL_COMPONENT: names.COMPONENT_RUNTIME,
+                  names.LABEL_REVISION: revision}
+        pod = f"{name}-{revision}-stand-in"
+        self.core.create_namespaced_pod(NS, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
+            "spec": {"containers": [{"name": names.CONTAINER, "image": "stand-in",
+                                     "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": port}]}]}})
+        self.core.patch_namespaced_pod_status(pod, NS, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A fresh API server with the CRD installed, and the operator running against it."""
+    server = ApiServer()
+    server.install_crd(build_crd())
+    with serve(server) as url:
+        kubeconfig = write_kubeconfig(url, tmp_path / "kubeconfig")
+        metrics_port, liveness_port = free_port(), free_port()
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(metrics_port))
+        monkeypatch.delenv("SPECDECODE_WEBHOOK_PORT", raising=False)
+        with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
+            cluster = Cluster(client, url, metrics_port, liveness_port)
+            cluster.start_operator()
+            try:
+                yield cluster
+            finally:
+                cluster.stop_operator()
+    print("\n".join(cluster.operator_logs)[-20000:])  # the operator's log, shown when the test fails
+
+
+def example(name: str = "smollm2-ngram") -> dict[str, Any]:
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": NS}
+    body["spec"]["rollout"]["analysis"] = dict(FAST_ANALYSIS)
+    return body
+
+
+def running_stable(cluster: Cluster, name: str = "smollm2-ngram", **spec: Any) -> str:
+    """Create the example (with ``spec`` merged in) and wait until its one revision is ready; that revision."""
+    body = example(name)
+    body["spec"] |= spec
+    cluster.create(body)
+    wait_for(lambda: cluster.condition(name, "Ready").get("status") == "True", "Ready=True")
+    return cluster.status(name)["stableRevision"]
+
+
+def start_canary(cluster: Cluster, name: str = "smollm2-ngram") -> str:
+    """Change what the pods run (3 speculative tokens instead of 4); the canary revision."""
+    cluster.patch(name, {"spec": {"speculative": {"numSpeculativeTokens": 3}}})
+    return wait_for(lambda: cluster.status(name).get("canaryRevision"), "a canary revision")
+
+
+@pytest.fixture
+def stand_ins() -> Iterator[list[HttpStandIn]]:
+    """Stand-ins a test starts; closed after it."""
+    started: list[HttpStandIn] = []
+    yield started
+    for stand_in in started:
+        stand_in.close()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def test_the_emulator_keeps_the_api_servers_bookkeeping(tmp_path: Path) -> None:
+    """What the operator and kopf rely on, without them (see kube_emulator.py)."""
+    server = ApiServer()
+    server.install_crd(build_crd())
+    with serve(server) as url, kubernetes.config.new_client_from_config(
+            str(write_kubeconfig(url, tmp_path / "kubeconfig"))) as client:
+        api = Cluster(client, url, 0, 0)
+        body = example()
+        body["status"] = {"replicas": 7}
+        api.create(body)
+        created = api.get("smollm2-ngram")
+        meta = created["metadata"]
+        assert meta["generation"] == 1 and meta["uid"] and meta["creationTimestamp"] and "status" not in created
+        api.custom.patch_namespaced_custom_object_status(names.GROUP, names.VERSION, NS, names.PLURAL,
+                                                         "smollm2-ngram", {"status": {"replicas": 2}, "spec": None})
+        api.patch("smollm2-ngram", {"metadata": {"labels": {"team": "ml"}}, "status": {"replicas": 9}})
+        after = api.get("smollm2-ngram")
+        assert after["metadata"]["generation"] == 1 and after["status"] == {"replicas": 2} and after["spec"]
+        assert int(after["metadata"]["resourceVersion"]) > int(meta["resourceVersion"])
+        api.patch("smollm2-ngram", {"spec": {"replicas": 3}})
+        assert api.get("smollm2-ngram")["metadata"]["generation"] == 2
+
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            api.patch("smollm2-ngram", {"spec": {"replicas": -1, "colour": "blue"}})
+        assert refused.value.status == 422 and "colour" in refused.value.body and "replicas" in refused.value.body
+        with pytest.raises(kubernetes.client.ApiException) as stale:
+            api.patch("smollm2-ngram", {"metadata": {"resourceVersion": "1", "labels": {"team": "x"}}})
+        assert stale.value.status == 409
+
+        for name, tier in (("a", "gold"), ("b", "silver")):
+            api.core.create_namespaced_pod(NS, {"metadata": {"name": name, "labels": {"tier": tier}},
+                                                "spec": {"containers": [{"name": "c", "image": "i"}]}})
+        event = api.core.create_namespaced_event(NS, {"metadata": {"generateName": "e-"}, "reason": "R",
+                                                      "involvedObject": {"name": "a"}})
+        assert event.metadata.name.startswith("e-") and len(event.metadata.name) == 7
+        assert [p.metadata.name for p in api.core.list_namespaced_pod(NS, label_selector="tier=gold").items] == ["a"]
+        assert [p.metadata.name for p in api.core.list_namespaced_pod(NS, label_selector="tier!=gold").items] == ["b"]
+        assert NS in [n.metadata.name for n in api.core.list_namespace().items]
+
+
+def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> None:
+    stable = running_stable(cluster, serviceMonitor={"enabled": True})
+    body, status = cluster.get("smollm2-ngram"), cluster.status("smollm2-ngram")
+    assert status["observedGeneration"] == body["metadata"]["generation"] == 1
+    assert status["warnings"] == ["ServiceMonitor smollm2-ngram not created: the cluster does not serve "
+                                  "monitoring.coreos.com/v1"]
+    assert status["replicas"] == status["readyReplicas"] == 2
+    assert status["selector"] == f"{names.LABEL_NAME}=specdecode,{names.LABEL_INSTANCE}=smollm2-ngram"
+    assert status["rollout"]["phase"] == "Stable" and "canaryRevision" not in status
+
+    (deployment,) = cluster.deployments("smollm2-ngram").values()
+    cluster.apps.delete_namespaced_deployment(deployment.metadata.name, NS)  # the operator makes it again
+    wait_for(lambda: [d.metadata.uid for d in cluster.deployments("smollm2-ngram").values()
+                      if d.metadata.uid != deployment.metadata.uid], "the deleted Deployment made again")
+    (deployment,) = cluster.deployments("smollm2-ngram").values()
+    service = cluster.core.read_namespaced_service(names.service_name("smollm2-ngram"), NS)
+    pdb = kubernetes.client.PolicyV1Api(cluster.apps.api_client).read_namespaced_pod_disruption_budget(
+        names.pdb_name("smollm2-ngram"), NS)
+    assert deployment.metadata.name == names.workload_name("smollm2-ngram", stable)
+    assert deployment.spec.replicas == 2
+    for child in (deployment, service, pdb):
+        (owner,) = child.metadata.owner_references
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+            names.KIND, "smollm2-ngram", body["metadata"]["uid"], True)
+    assert ("Normal", "Deployed") in {(t, r) for t, r, _ in cluster.events("smollm2-ngram")}
+
+    # the chart's probes and the dashboard's series
+    assert healthy(cluster.liveness_url)
+    exposed = cluster.operator_metrics()
+    for metric in metrics.ALL:
+        assert f"# TYPE {metric} " in exposed, metric
+    assert f'{metrics.ROLLOUT_STEP}{{name="smollm2-ngram",namespace="{NS}"}} -1.0' in exposed
+
+
+def test_schema_violations_are_refused_by_the_api_server(cluster: Cluster) -> None:
+    body = yaml.safe_load((EXAMPLES / "invalid-mtp.yaml").read_text())
+    body["metadata"]["namespace"] = NS
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        cluster.create(body)
+    assert refused.value.status == 422
+    assert "spec.speculative.method" in refused.value.body and "numSpeculativeTokens" in refused.value.body
+
+
+def test_invalid_spec_past_admission_is_reported_not_retried(cluster: Cluster) -> None:
+    """What the schema allows but resolve refuses (the webhook was down or not installed)."""
+    body = example("too-many-gpus")
+    body["spec"]["resources"] = {"gpusPerPod": 2}  # more than parallelism.tensor (1)
+    cluster.create(body)
+    ready = wait_for(lambda: cluster.condition("too-many-gpus", "Ready").get("reason") == "InvalidSpec"
+                     and cluster.condition("too-many-gpus", "Ready"), "Ready=False InvalidSpec")
+    assert ready["status"] == "False" and "gpusPerPod: 2 is more than parallelism.tensor" in ready["message"]
+    assert cluster.deployments("too-many-gpus") == {}
+    assert ("Warning", "InvalidSpec") in {(t, r) for t, r, _ in cluster.events("too-many-gpus")}
+
+    cluster.patch("too-many-gpus", {"spec": {"resources": {"gpusPerPod": 0}}})  # fixed: the operator goes on
+    wait_for(lambda: cluster.condition("too-many-gpus", "Ready").get("status") == "True", "Ready=True once fixed")
+    assert len(cluster.deployments("too-many-gpus")) == 1
+
+
+def test_good_canary_is_promoted_step_by_step(cluster: Cluster, stand_ins: list[HttpStandIn]) -> None:
+    stable = running_stable(cluster)
+    canary = start_canary(cluster)
+    assert set(cluster.deployments("smollm2-ngram")) == {names.workload_name("smollm2-ngram", rev)
+                                                         for rev in (stable, canary)}
+    stand_ins.append(runtime := RuntimeStandIn(acceptance=0.8))
+    cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
+
+    wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
+    status = cluster.status("smollm2-ngram")
+    assert "canaryRevision" not in status and status["rollout"]["phase"] == "Stable"
+    assert status["acceptance"]["revision"] == canary and status["acceptance"]["rate"] == pytest.approx(0.8)
+    (deployment,) = cluster.deployments("smollm2-ngram").values()
+    assert deployment.metadata.name == names.workload_name("smollm2-ngram", canary) and deployment.spec.replicas == 2
+    reasons = [r for _, r, _ in cluster.events("smollm2-ngram")]
+    assert {"RolloutStarted", "StepReached", "StepPassed", "Promoted"} <= set(reasons)
+    exposed = cluster.operator_metrics()
+    assert f'{metrics.ANALYSIS_RUNS}{{name="smollm2-ngram",namespace="{NS}",result="pass"}}' in exposed
+    assert (f'{metrics.ACCEPTANCE_RATE}{{name="smollm2-ngram",namespace="{NS}",revision="{canary}"}} 0.8'
+            in exposed)
+
+
+def test_low_acceptance_rolls_back_with_the_reason(cluster: Cluster, stand_ins: list[HttpStandIn]) -> None:
+    stable = running_stable(cluster)
+    canary = start_canary(cluster)
+    stand_ins.append(runtime := RuntimeStandIn(acceptance=0.1))
+    cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
+
+    rolled_back = wait_for(lambda: cluster.condition("smollm2-ngram", "RolledBack").get("status") == "True"
+                           and cluster.condition("smollm2-ngram", "RolledBack"), "RolledBack=True")
+    assert rolled_back["reason"] == "AnalysisFailed"
+    assert "acceptance rate 0.1 < minAcceptanceRate 0.5" in rolled_back["message"]
+    status = cluster.status("smollm2-ngram")
+    assert status["stableRevision"] == stable and "canaryRevision" not in status
+    assert status["rollout"]["rolledBackRevision"] == canary
+    wait_for(lambda: set(cluster.deployments("smollm2-ngram")) == {names.workload_name("smollm2-ngram", stable)},
+             "the canary's Deployment deleted")
+    assert cluster.deployments("smollm2-ngram")[names.workload_name("smollm2-ngram", stable)].spec.replicas == 2
+    warnings = [m for t, r, m in cluster.events("smollm2-ngram") if (t, r) == ("Warning", "RolledBack")]
+    assert len(warnings) == 1 and "minAcceptanceRate" in warnings[0]
+    assert f'{metrics.ROLLBACKS}{{name="smollm2-ngram",namespace="{NS}"}} 1.0' in cluster.operator_metrics()
+
+
+def test_prometheus_source_judges_the_canary_without_scraping_pods(cluster: Cluster,
+                                                                   stand_ins: list[HttpStandIn]) -> None:
+    stable = running_stable(cluster)
+    stand_ins.append(prometheus := PrometheusStandIn())
+    cluster.patch("smollm2-ngram", {"spec": {"speculative": {"numSpeculativeTokens": 3}, "rollout": {"analysis": {
+        "maxP95InterTokenLatencyMs": None,  # this Prometheus has no latency histogram
+        "prometheus": {"url": prometheus.url}}}}})
+    prometheus.revision = canary = wait_for(lambda: cluster.status("smollm2-ngram").get("canaryRevision"), "a canary")
+
+    wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
+    assert canary != stable and cluster.status("smollm2-ngram")["acceptance"]["rate"] == pytest.approx(0.9)
+    assert any(f'namespace="{NS}",service="smollm2-ngram",revision="{canary}"' in q for q in prometheus.queries)
+
+
+def test_a_restarted_operator_resumes_the_rollout_from_status(cluster: Cluster,
+                                                              stand_ins: list[HttpStandIn]) -> None:
+    running_stable(cluster)
+    canary = start_canary(cluster)
+    wait_for(lambda: cluster.status("smollm2-ngram")["rollout"].get("stepStartedAt"), "step 1 reached")
+    cluster.stop_operator()
+    cluster.start_operator()  # the analysis samples are gone; the step, its start and the counters are not
+    assert cluster.status("smollm2-ngram")["canaryRevision"] == canary
+    stand_ins.append(runtime := RuntimeStandIn(acceptance=0.8))
+    cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
+    wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
+    assert [r for _, r, _ in cluster.events("smollm2-ngram")].count("RolloutStarted") == 1
+
+
+def test_abort_annotation_rolls_back_by_hand(cluster: Cluster) -> None:
+    stable = running_stable(cluster)
+    canary = start_canary(cluster)  # no canary pod: no analysis verdict, only the command decides
+    cluster.patch("smollm2-ngram", {"metadata": {"annotations": {names.ANNOTATION_ABORT: "true"}}})
+
+    wait_for(lambda: cluster.condition("smollm2-ngram", "RolledBack").get("reason") == "ManualAbort", "ManualAbort")
+    assert cluster.status("smollm2-ngram")["rollout"]["rolledBackRevision"] == canary
+    wait_for(lambda: names.ANNOTATION_ABORT not in cluster.get("smollm2-ngram")["metadata"].get("annotations", {}),
+             "the one-shot annotation removed")
+    wait_for(lambda: set(cluster.deployments("smollm2-ngram")) == {names.workload_name("smollm2-ngram", stable)},
+             "only the stable Deployment left")
+
+
+def test_delete_leaves_cleanup_to_owner_references(cluster: Cluster) -> None:
+    running_stable(cluster)
+    start_canary(cluster)  # the analysis daemon runs, so kopf holds a finalizer to stop it
+    wait_for(lambda: cluster.get("smollm2-ngram")["metadata"].get("finalizers"), "kopf's finalizer")
+    uid = cluster.get("smollm2-ngram")["metadata"]["uid"]
+    cluster.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, "smollm2-ngram")
+
+    def gone() -> bool:
+        try:
+            cluster.get("smollm2-ngram")
+        except kubernetes.client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_for(gone, "the resource deleted (finalizer released)")
+    # No garbage collector here: the children stay, each pointing at the deleted owner.
+    children = cluster.deployments("smollm2-ngram")
+    assert len(children) == 2
+    assert {d.metadata.owner_references[0].uid for d in children.values()} == {uid}
+    assert healthy(cluster.liveness_url)
+    cluster.create(example("again"))
+    wait_for(lambda: cluster.condition("again", "Ready").get("status") == "True", "a new resource served")

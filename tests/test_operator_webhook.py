@@ -1,0 +1,131 @@
+"""The validating webhook as the API server calls it: kopf's webhook server in the running
+operator, configured from the chart's environment (port, certificate directory), answering
+AdmissionReviews (admission.k8s.io/v1) over TLS on the path the chart's
+ValidatingWebhookConfiguration names."""
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube_emulator import ApiServer, serve
+from operator_harness import free_port, running_operator, wait_for, write_kubeconfig
+
+from specdecode.operator import names
+from specdecode.operator.crd import build_crd
+from specdecode.operator.handlers import WEBHOOK_ID
+
+pytestmark = pytest.mark.timeout(90)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+WEBHOOK_PATH = "/validate-specdecodedeployment"  # what charts/specdecode/templates/_helpers.tpl names
+
+
+def self_signed(directory: Path) -> Path:
+    """tls.crt and tls.key for 127.0.0.1, as the chart mounts them; returns the directory."""
+    directory.mkdir()
+    subprocess.run(
+        [shutil.which("openssl") or "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+         "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(directory / "tls.key"),
+         "-out", str(directory / "tls.crt")],
+        check=True, capture_output=True, timeout=60)
+    return directory
+
+
+class Webhook:
+    def __init__(self, port: int, ca: Path) -> None:
+        self.url = f"https://127.0.0.1:{port}{WEBHOOK_PATH}"
+        self.tls = ssl.create_default_context(cafile=str(ca))
+
+    def review(self, operation: str, obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+        """POST one AdmissionReview as the API server would; the response's ``response``."""
+        uid = str(uuid.uuid4())
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": uid, "operation": operation, "namespace": "llm", "name": obj["metadata"]["name"],
+            "kind": {"group": names.GROUP, "version": names.VERSION, "kind": names.KIND},
+            "resource": {"group": names.GROUP, "version": names.VERSION, "resource": names.PLURAL},
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": obj, "oldObject": old, "dryRun": False}}
+        request = urllib.request.Request(self.url, data=json.dumps(review).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, context=self.tls, timeout=10) as answer:
+            body = json.loads(answer.read())
+        assert body["apiVersion"] == "admission.k8s.io/v1" and body["kind"] == "AdmissionReview"
+        assert body["response"]["uid"] == uid
+        return body["response"]
+
+    def up(self) -> bool:
+        try:
+            self.review("CREATE", example())
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
+    """One operator for the module: its webhook is stateless."""
+    tmp_path = tmp_path_factory.mktemp("webhook")
+    certs, port = self_signed(tmp_path / "certs"), free_port()
+    server = ApiServer()
+    server.install_crd(build_crd())
+    with serve(server) as url, pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(url, tmp_path / "kubeconfig")))
+        monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(free_port()))
+        monkeypatch.setenv("SPECDECODE_WEBHOOK_PORT", str(port))
+        monkeypatch.setenv("SPECDECODE_WEBHOOK_CERT_DIR", str(certs))
+        with running_operator(url, free_port()):
+            hook = Webhook(port, certs / "tls.crt")
+            wait_for(hook.up, "the webhook server listening")
+            yield hook
+
+
+def example(name: str = "smollm2-ngram") -> dict[str, Any]:
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": "llm", "uid": str(uuid.uuid4())}
+    return body
+
+
+def test_the_path_is_the_handler_id() -> None:
+    assert WEBHOOK_PATH == f"/{WEBHOOK_ID}"
+
+
+def test_a_good_resource_is_allowed(webhook: Webhook) -> None:
+    answer = webhook.review("CREATE", example())
+    assert answer["allowed"] is True and "status" not in answer and "warnings" not in answer
+
+
+def test_a_lossy_strategy_is_allowed_with_a_warning(webhook: Webhook) -> None:
+    body = example()
+    body["spec"]["speculative"]["verify"] = "topp"
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is True
+    assert any("'topp' is lossy" in warning for warning in answer["warnings"])
+
+
+def test_an_invalid_resource_is_refused_with_what_to_change(webhook: Webhook) -> None:
+    body = yaml.safe_load((EXAMPLES / "invalid-mtp.yaml").read_text())
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is False
+    assert answer["status"]["code"] == 422
+    message = answer["status"]["message"]
+    assert message.startswith(f'{names.KIND} "invalid-mtp" is invalid: ')
+    assert "spec.speculative.method: 'mtp' is not available yet" in message
+    assert "spec.speculative.numSpeculativeTokens" in message
+
+
+def test_an_update_may_not_change_the_parallel_group(webhook: Webhook) -> None:
+    old, new = example(), example()
+    new["spec"]["parallelism"] = {"tensor": 2}
+    answer = webhook.review("UPDATE", new, old)
+    assert answer["allowed"] is False and "the parallel group is immutable" in answer["status"]["message"]
+    assert webhook.review("UPDATE", example(), old)["allowed"] is True
