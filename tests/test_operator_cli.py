@@ -72,14 +72,27 @@ def test_render_refuses_an_invalid_spec(capsys):
     assert captured.out == "" and captured.err.startswith('denied: SpecDecodeDeployment "invalid-mtp"')
 
 
-def test_operator_and_commands_work_without_torch():
-    script = textwrap.dedent(
-        f"""
-        import importlib, pkgutil, sys
-        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+def run_without_torch(body: str) -> subprocess.CompletedProcess:
+    """``body`` in a fresh interpreter where any ``import torch`` raises ImportError."""
+    script = 'import importlib, pkgutil, sys\nsys.modules["torch"] = None\n' + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_every_operator_module_imports_without_torch():
+    done = run_without_torch(
+        """
         import specdecode.operator
         for mod in pkgutil.iter_modules(specdecode.operator.__path__):
-            importlib.import_module(f"specdecode.operator.{{mod.name}}")
+            importlib.import_module(f"specdecode.operator.{mod.name}")
+        assert "specdecode.operator.handlers" in sys.modules
+        """
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_validate_and_render_need_neither_torch_nor_a_kubernetes_client():
+    done = run_without_torch(
+        f"""
         from specdecode.runtime.cli import main
         assert main(["validate", {GOOD!r}]) == 0
         assert main(["render", {DRAFT!r}]) == 0
@@ -87,6 +100,5 @@ def test_operator_and_commands_work_without_torch():
         assert not any(name.startswith(("torch", "kopf", "kubernetes")) for name in sys.modules if sys.modules[name])
         """
     )
-    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "kind: Deployment" in done.stdout and "denied:" in done.stdout
