@@ -317,7 +317,8 @@ def sdd(**spec: Any) -> Obj:
 def test_cluster_role_manages_every_kind_render_builds(rendered):
     grants = granted(only(rendered["defaults"], "ClusterRole"))
     built = []
-    for spec, lws in [({}, False), ({"parallelism": {"pipeline": 2}}, False), ({"parallelism": {"pipeline": 2}}, True)]:
+    across_pods = {"parallelism": {"tensor": 4}, "resources": {"gpusPerPod": 2}}
+    for spec, lws in [({}, False), (across_pods, False), (across_pods, True)]:
         answer = resolve(sdd(**spec))
         assert answer.allowed, answer.message
         built += render_runtime(answer.resolved, leader_worker_set=lws)
