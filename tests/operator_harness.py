@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,12 +32,6 @@ T = TypeVar("T")
 
 
 # -- the operator ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(check: Callable[[], T], what: str, timeout: float = 30.0, every: float = 0.1) -> T:

@@ -18,11 +18,11 @@ import kubernetes
 import pytest
 import yaml
 from kube_emulator import ApiServer, serve
+from local_process import free_port
 from operator_harness import (
     HttpStandIn,
     PrometheusStandIn,
     RuntimeStandIn,
-    free_port,
     healthy,
     running_operator,
     wait_for,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from kube_emulator import ApiServer, serve
-from operator_harness import free_port, running_operator, wait_for, write_kubeconfig
+from local_process import free_port
+from operator_harness import running_operator, wait_for, write_kubeconfig
 
 from specdecode.operator import names
 from specdecode.operator.crd import build_crd

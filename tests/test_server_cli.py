@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from local_process import free_port, wait_ready
 
 from specdecode.runtime.cli import build_parser, engine_config, main
 
@@ -68,27 +67,8 @@ def test_generate_prints_the_completion(tiny_hf_model_dir, capsys):
     assert capsys.readouterr().out == first  # greedy by default
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()}")
-
-
 def test_sigterm_drains_the_request_in_flight_then_exits_0(tiny_hf_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(tiny_hf_model_dir),
@@ -97,7 +77,7 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tiny_hf_model_dir, tm
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
-        _wait_ready(proc, url, log)
+        wait_ready(proc, url, log)
         body = {"prompt": "hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from local_process import free_port, wait_ready
 import torch
 from pydantic import ValidationError
 
@@ -216,12 +216,6 @@ def test_rendered_multi_pod_group_env_builds_the_rank_layout():
 # -- serve as a process tree --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _descendants(pid: int) -> set[int]:
     found, todo = set(), [pid]
     while todo:
@@ -251,19 +245,6 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited early:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
-
-
 def _start_serve(model: Path, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
            "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--tensor-parallel-size", "2",
@@ -275,12 +256,12 @@ def _start_serve(model: Path, port: int, log: Path, env: dict[str, str] | None =
 
 @pytest.mark.timeout(60)
 def test_serve_tp2_answers_then_sigterm_leaves_no_process_behind(tiny_hf_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     proc = _start_serve(tiny_hf_model_dir, port, log)
     try:
-        _wait_ready(proc, url, log, timeout=40)
+        wait_ready(proc, url, log, timeout=40)
         spawned = _descendants(proc.pid)
         assert any(_is_worker(pid) for pid in spawned), "rank 0 spawned no worker"
         body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -298,12 +279,12 @@ def test_serve_tp2_answers_then_sigterm_leaves_no_process_behind(tiny_hf_model_d
 
 @pytest.mark.timeout(60)
 def test_serve_tp2_health_fails_when_a_worker_dies(tiny_hf_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     proc = _start_serve(tiny_hf_model_dir, port, log)
     try:
-        _wait_ready(proc, url, log, timeout=40)
+        wait_ready(proc, url, log, timeout=40)
         assert httpx.get(url + "/health", timeout=5).status_code == 200
         (worker,) = [pid for pid in _descendants(proc.pid) if _is_worker(pid)]  # rank 1
         os.kill(worker, signal.SIGKILL)
@@ -322,14 +303,14 @@ def test_serve_tp2_health_fails_when_a_worker_dies(tiny_hf_model_dir, tmp_path):
 @pytest.mark.timeout(60)
 def test_two_pods_node_0_serves_and_node_1_runs_its_rank_behind_probes(tiny_hf_model_dir, tmp_path):
     """The multi-pod layout the operator renders, as two local processes: NNODES=2, one rank each."""
-    group = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    ports, logs = [_free_port(), _free_port()], [tmp_path / "node0.log", tmp_path / "node1.log"]
+    group = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ports, logs = [free_port(), free_port()], [tmp_path / "node0.log", tmp_path / "node1.log"]
     node1 = _start_serve(tiny_hf_model_dir, ports[1], logs[1], {**group, "NODE_RANK": "1"})
     node0 = _start_serve(tiny_hf_model_dir, ports[0], logs[0], {**group, "NODE_RANK": "0"})
     url0, url1 = (f"http://127.0.0.1:{p}" for p in ports)
     try:
-        _wait_ready(node1, url1, logs[1], timeout=40)
-        _wait_ready(node0, url0, logs[0], timeout=40)
+        wait_ready(node1, url1, logs[1], timeout=40)
+        wait_ready(node0, url0, logs[0], timeout=40)
         assert httpx.get(url1 + "/health", timeout=5).status_code == 200
         assert httpx.post(url1 + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 501  # no API
         spawned = _descendants(node1.pid)
