@@ -25,7 +25,7 @@ from specdecode.runtime.bench.prompts import PROMPT_SET_NAMES, load_prompts
 from specdecode.runtime.bench.records import Job, SystemResult, Truncation, write_json
 from specdecode.runtime.bench.schedule import BUSY_CORES
 from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, METHODS, NOSPEC, PEER_PLAIN, System, build_systems
-from specdecode.runtime.config import LoadConfig
+from specdecode.runtime.config import LoadConfig, SpeculativeConfig
 from specdecode.runtime.models import aliases
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +104,7 @@ def _base_job(args: argparse.Namespace) -> Job:
         prompts=load_prompts(args.prompts, args.num_prompts),
         max_model_len=args.max_model_len,
         num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=SpeculativeConfig().prompt_lookup_max,
         assistant_model=args.draft_model,
     )
 

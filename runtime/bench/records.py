@@ -32,7 +32,7 @@ class Job:
     speculative: dict | None = None  # ours: SpeculativeConfig JSON
     peer_mode: str = "plain"  # transformers: "plain" | "prompt-lookup" | "assisted"
     num_speculative_tokens: int = 4  # transformers' prompt_lookup_num_tokens / num_assistant_tokens
-    prompt_lookup_max: int = 4  # transformers' max_matching_ngram_size (our n-gram window's top)
+    prompt_lookup_max: int = 4  # transformers' max_matching_ngram_size = our n-gram window's top
     assistant_model: str | None = None  # transformers-assisted: the draft model
     prompt_token_ids: list[list[int]] | None = None  # ours tokenizes (and truncates); peers reuse its ids
     # other systems' outputs at c=1, by system: where one differs from this system's, check ties
