@@ -49,6 +49,7 @@ from specdecode.operator.render import revision, serving_selector
 from specdecode.operator.resolve import Resolved, duration_seconds, resolve
 from specdecode.operator.rollout import Event, EventType, advance, read_commands
 from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus
+from specdecode.operator.traffic import RouteError, route_patch
 from specdecode.runtime.config import SpeculativeMethod
 
 KOPF_PREFIX = f"kopf.{names.GROUP}"  # kopf's own annotations; ours (commands) stay in names.GROUP
@@ -208,7 +209,9 @@ def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDe
     desired = revision(r, leader_worker_set=lws)
     t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
                 verdict=verdict, commands=read_commands(meta.get("annotations")))
-    warnings = _apply(cluster, body, plan(r, desired, t.replicas, existing, leader_worker_set=lws))
+    changes = plan(r, desired, t.replicas, existing, stable=t.status.stable_revision,
+                   canary=t.status.canary_revision, leader_worker_set=lws)
+    warnings = _apply(cluster, body, changes) + _route(cluster, r, t.status.rollout.canary_weight, logger)
     new = t.status.model_copy(update={
         "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *warnings),
         "selector": names.label_selector(serving_selector(r, leader_worker_set=lws))})
@@ -236,6 +239,26 @@ def _apply(cluster: kube.Cluster, owner: Mapping[str, Any], changes: Plan) -> li
         kopf.adopt(obj, owner=owner)
         cluster.create(obj)
     return warnings
+
+
+def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None, logger: logging.Logger) -> list[str]:
+    """Set the canary's weight on the HTTPRoute of ``rollout.trafficRouting``; why not, as warnings."""
+    routing = r.spec.rollout.traffic_routing
+    if routing is None or canary_weight is None:
+        return []
+    if not cluster.serves(kube.HTTP_ROUTE.api_version):
+        return [f"HTTPRoute {routing.http_route}: the cluster does not serve {kube.HTTP_ROUTE.api_version}; "
+                "traffic follows the replica ratio"]
+    route = cluster.read(kube.HTTP_ROUTE, r.namespace, routing.http_route)
+    if route is None:
+        return [f"HTTPRoute {routing.http_route} not found: traffic follows the replica ratio"]
+    try:
+        change = route_patch(route, r, canary_weight)
+    except RouteError as exc:
+        return [str(exc)]
+    if change is not None and not cluster.patch_unless_changed(change):
+        logger.info("HTTPRoute %s changed meanwhile: weights set on the next reconciliation", routing.http_route)
+    return []
 
 
 def _record(metrics: OperatorMetrics, r: Resolved, before: SpecDecodeDeploymentStatus,

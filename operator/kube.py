@@ -50,10 +50,11 @@ SERVICE = Kind("v1", "Service", "services")
 POD = Kind("v1", "Pod", "pods")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+HTTP_ROUTE = Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes")  # the user's; only patched
 SPEC_DECODE = Kind(names.API_VERSION, names.KIND, names.PLURAL)
 # What render may create; a kind the cluster does not serve is skipped when listing children.
 CHILD_KINDS = (DEPLOYMENT, STATEFUL_SET, LEADER_WORKER_SET, SERVICE, PDB, SERVICE_MONITOR)
-KINDS = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, POD, SPEC_DECODE)}
+KINDS = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, POD, HTTP_ROUTE, SPEC_DECODE)}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
@@ -156,6 +157,12 @@ class Cluster:
         # typed lists leave apiVersion and kind out of their items
         return [{**item, "apiVersion": kind.api_version, "kind": kind.kind} for item in listed["items"]]
 
+    def read(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """One object of a custom API (an HTTPRoute), or None if there is none."""
+        with _gone_is_fine():
+            return self._custom.get_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, name)
+        return None
+
     def create(self, obj: Obj) -> None:
         kind, namespace = kind_of(obj), obj["metadata"]["namespace"]
         if kind.group:
@@ -171,6 +178,16 @@ class Cluster:
                 kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], obj)
         else:
             self._core.patch_namespaced_service(meta["name"], meta["namespace"], obj, _content_type=MERGE_PATCH)
+
+    def patch_unless_changed(self, obj: Obj) -> bool:
+        """``patch`` with ``obj``'s metadata.resourceVersion; False if the object changed since (409)."""
+        try:
+            self.patch(obj)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
 
     def delete(self, obj: Mapping[str, Any]) -> None:
         kind, meta = kind_of(obj), obj["metadata"]

@@ -33,7 +33,8 @@ class OperatorMetrics:
         self.registry = CollectorRegistry()
         self.rollout_step = Gauge(ROLLOUT_STEP, "Index of the canary step in spec.rollout.steps; -1 without a rollout",
                                   RESOURCE, registry=self.registry)
-        self.canary_weight = Gauge(CANARY_WEIGHT, "Percent of the replicas running the canary revision",
+        self.canary_weight = Gauge(CANARY_WEIGHT, "Percent of traffic sent to the canary revision: the HTTPRoute's "
+                                   "weight with trafficRouting, else the share of replicas running it",
                                    RESOURCE, registry=self.registry)
         self.analysis_runs = Counter(ANALYSIS_RUNS, "Canary analyses by verdict (pass, fail, inconclusive)",
                                      (*RESOURCE, "result"), registry=self.registry)
@@ -63,7 +64,7 @@ class OperatorMetrics:
         self.rollout_step.labels(namespace, name).set(step)
         running = rollout.stable_replicas + rollout.canary_replicas
         weight = 100.0 * rollout.canary_replicas / running if status.canary_revision and running else 0.0
-        self.canary_weight.labels(namespace, name).set(weight)
+        self.canary_weight.labels(namespace, name).set(weight if rollout.canary_weight is None else rollout.canary_weight)
         acceptance = status.acceptance
         if acceptance is not None and acceptance.rate is not None:
             self.acceptance_rate.labels(namespace, name, acceptance.revision).set(acceptance.rate)

@@ -28,6 +28,7 @@ MANAGER = "specdecode-operator"
 COMPONENT_RUNTIME = "runtime"  # workloads and their pods
 COMPONENT_API = "api"  # the traffic Service
 COMPONENT_RENDEZVOUS = "rendezvous"  # the headless Service of a multi-pod group
+COMPONENT_ROUTE_BACKEND = "route-backend"  # the stable and canary Services an HTTPRoute weighs
 METRIC_LABEL_REVISION = "revision"  # the label a ServiceMonitor puts on every scraped series
 
 # -- annotations a user sets on the SpecDecodeDeployment to steer a rollout (value "true") -------
@@ -101,6 +102,16 @@ def leader_address(group: str, namespace: str) -> str:
 def service_name(name: str) -> str:
     """The one Service for traffic, selecting stable and canary pods."""
     return name
+
+
+def stable_service_name(name: str) -> str:
+    """The Service selecting the stable revision's serving pods (an HTTPRoute backend)."""
+    return f"{name}-stable"
+
+
+def canary_service_name(name: str) -> str:
+    """The Service selecting the canary revision's serving pods (the stable's when none)."""
+    return f"{name}-canary"
 
 
 def service_monitor_name(name: str) -> str:

@@ -55,9 +55,10 @@ class Plan:
 
 
 def plan(r: Resolved, desired: str, replicas: Mapping[str, int], existing: Sequence[Obj], *,
-         leader_worker_set: bool) -> Plan:
-    """The changes that make the children match ``replicas`` (revision → model replicas)."""
-    wanted = {key(o): o for o in build_shared(r, leader_worker_set=leader_worker_set)}
+         stable: str, canary: str | None = None, leader_worker_set: bool) -> Plan:
+    """The changes that make the children match ``replicas`` (revision → model replicas), with
+    the route Services (``rollout.trafficRouting``) selecting ``stable`` and ``canary``."""
+    wanted = {key(o): o for o in build_shared(r, stable, canary, leader_worker_set=leader_worker_set)}
     if desired in replicas:
         for obj in build_workloads(r, desired, replicas[desired], leader_worker_set=leader_worker_set):
             wanted[key(obj)] = obj

@@ -308,6 +308,21 @@ def build_service(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
     }
 
 
+def build_route_services(r: Resolved, stable: str, canary: str | None, *, leader_worker_set: bool = False) -> list[Obj]:
+    """With ``rollout.trafficRouting``: the Services an HTTPRoute weighs, one selecting the stable
+    revision's serving pods and one the canary's (the stable's while there is no canary, so the
+    route's backends always resolve). Not labelled as the API Service: a ServiceMonitor would
+    otherwise scrape every pod twice more."""
+    out = []
+    for name, rev in ((names.stable_service_name(r.name), stable), (names.canary_service_name(r.name), canary or stable)):
+        service = build_service(r, leader_worker_set=leader_worker_set)
+        service["metadata"] = _metadata(r, name, {names.LABEL_COMPONENT: names.COMPONENT_ROUTE_BACKEND})
+        service["spec"]["type"] = "ClusterIP"
+        service["spec"]["selector"][names.LABEL_REVISION] = rev
+        out.append(service)
+    return out
+
+
 def build_service_monitor(r: Resolved) -> Obj:
     """Scrapes the serving pods; the pod's revision label becomes each series' ``revision``."""
     monitor = r.spec.service_monitor
@@ -343,9 +358,12 @@ def build_pod_disruption_budget(r: Resolved) -> Obj:
     }
 
 
-def build_shared(r: Resolved, *, leader_worker_set: bool = False) -> list[Obj]:
-    """The objects every revision shares: the traffic Service, and if asked ServiceMonitor and PDB."""
+def build_shared(r: Resolved, stable: str, canary: str | None = None, *, leader_worker_set: bool = False) -> list[Obj]:
+    """The objects every revision shares: the traffic Service, with ``rollout.trafficRouting`` the
+    stable and canary Services, and if asked ServiceMonitor and PDB."""
     objs = [build_service(r, leader_worker_set=leader_worker_set)]
+    if r.spec.rollout.traffic_routing is not None:
+        objs += build_route_services(r, stable, canary, leader_worker_set=leader_worker_set)
     if r.spec.service_monitor.enabled:
         objs.append(build_service_monitor(r))
     if r.spec.pod_disruption_budget.enabled:
@@ -359,4 +377,4 @@ def render(r: Resolved, *, replicas: int | None = None, leader_worker_set: bool 
     rev = revision(r, leader_worker_set=leader_worker_set)
     count = r.spec.replicas if replicas is None else replicas
     return [*build_workloads(r, rev, count, leader_worker_set=leader_worker_set),
-            *build_shared(r, leader_worker_set=leader_worker_set)]
+            *build_shared(r, rev, leader_worker_set=leader_worker_set)]

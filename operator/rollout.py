@@ -30,6 +30,10 @@ Semantics:
   revision cancels the canary; a rolled-back revision is not retried until the spec changes.
   ``spec.replicas`` is not part of the revision (render.revision hashes the pod template only):
   scaling never starts a rollout.
+- With ``rollout.trafficRouting`` the canary's share of requests at the HTTPRoute is
+  ``rollout.canaryWeight``: the weight of the step last reached (0 before the first), so the
+  route never sends a step's share to replicas that are not ready yet; replicas still follow
+  the step weights, so each revision has the capacity for its share.
 - Commands (annotations in ``names``, value "true"): abort rolls back now (reason ManualAbort);
   promote skips the remaining steps and analysis (phase Promoting, then Promoted once every
   replica runs the canary); pause holds the step while the annotation is present (scaling to
@@ -208,6 +212,7 @@ def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: Spe
     if verdict is not None:
         _weigh(state, verdict, spec)
     replicas = _scale(state, spec, ready, now)
+    state.update(canary_weight=_route_weight(state, spec))
     new_status = status.model_copy(update={
         "stable_revision": state.stable,
         "canary_revision": state.canary,
@@ -261,6 +266,7 @@ def _obey(s: _State, commands: frozenset[Command], spec: SpecDecodeDeploymentSpe
         if phase != RolloutPhase.PROMOTING:
             s.emit(EventType.NORMAL, "Promoting", f"canary {s.canary} promoted by hand ({names.ANNOTATION_PROMOTE}): "
                    "remaining steps and analysis skipped")
+            s.update(step_requested_at=None, step_started_at=None)  # scaling to 100 % is a step of its own
         s.step = len(spec.rollout.steps) - 1
         s.update(phase=RolloutPhase.PROMOTING, paused_by=None, message="promoted by hand")
     elif phase == RolloutPhase.PAUSED and (Command.RESUME in commands or (
@@ -361,6 +367,19 @@ def _scale(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
         s.emit(EventType.NORMAL, "StepReached", f"step {s.step + 1}/{len(spec.rollout.steps)}: canary {s.canary} "
                f"serves {weight}% ({move.canary} of {spec.replicas} replicas, stable {move.stable})")
     return {s.stable: move.stable, s.canary: move.canary}
+
+
+def _route_weight(s: _State, spec: SpecDecodeDeploymentSpec) -> int | None:
+    """The canary's percent of requests at the HTTPRoute (``trafficRouting`` only): the weight of
+    the step it last reached, so traffic moves only onto replicas that are ready for it; 0 before
+    the first step is reached and without a canary (promoted: the stable Service selects it)."""
+    if spec.rollout.traffic_routing is None:
+        return None
+    if s.canary is None:
+        return 0
+    if s.rollout.step_started_at is not None:
+        return spec.rollout.steps[s.step].weight
+    return s.rollout.canary_weight or 0
 
 
 def _past_deadline(s: _State, spec: SpecDecodeDeploymentSpec, now: datetime) -> bool:

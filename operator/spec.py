@@ -123,6 +123,17 @@ class CanaryStep(Shared):
     weight: int = Field(ge=1, le=100, description="percent of replicas running the new revision")
 
 
+class TrafficRouting(Shared):
+    """Canary traffic split by weight at a Gateway instead of by replica ratio (Gateway API)."""
+
+    http_route: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253,
+        description="an HTTPRoute (gateway.networking.k8s.io/v1) in this namespace. Each of its rules whose "
+        "backends are this resource's Services (or that has none) gets the stable and canary Services as "
+        "backends, weighted by the current step; other rules are left alone",
+    )
+
+
 class Rollout(Shared):
     max_surge: IntOrString = Field(0, description="extra replicas during a rollout (GPU-safe default 0); int or %")
     max_unavailable: IntOrString = Field(1, description="replicas that may be down during a rollout; int or percent")
@@ -133,6 +144,10 @@ class Rollout(Shared):
     progress_deadline: Duration = Field(
         "30m", description="a step whose canary replicas are not all set and ready this long after it began "
         "rolls back (ProgressDeadlineExceeded): an image that never pulls, a model that never loads"
+    )
+    traffic_routing: TrafficRouting | None = Field(
+        None, description="split traffic at an HTTPRoute by step weight; without it, the one Service "
+        "spreads requests over stable and canary pods (weight = replica ratio)"
     )
 
 
@@ -270,6 +285,9 @@ class RolloutStatus(Shared):
     consecutive_failures: int = Field(0, ge=0, description="failed analyses in a row (failureLimit rolls back)")
     consecutive_inconclusive: int = Field(0, ge=0, description="windows without a verdict in a row (pause)")
     paused_by: PauseCause | None = None
+    canary_weight: int | None = Field(
+        None, ge=0, le=100, description="percent of requests the HTTPRoute sends to the canary (trafficRouting only)"
+    )
     rolled_back_revision: str | None = Field(
         None, description="the revision last rolled back; not retried until the spec changes again"
     )

@@ -36,6 +36,15 @@ pytestmark = pytest.mark.timeout(120)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NS = "llm"
+# The Gateway API's HTTPRoute as a cluster with it installed serves it (schema left open here).
+HTTP_ROUTE_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "httproutes.gateway.networking.k8s.io"},
+    "spec": {"group": "gateway.networking.k8s.io", "scope": "Namespaced",
+             "names": {"kind": "HTTPRoute", "plural": "httproutes", "singular": "httproute"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+                 "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
 FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "maxP95InterTokenLatencyMs": 250,
                  "failureLimit": 2}
 
@@ -46,7 +55,9 @@ FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "ma
 class Cluster:
     """The kubernetes client's view of the emulator at ``url``, and the operator run against it."""
 
-    def __init__(self, client: kubernetes.client.ApiClient, url: str, metrics_port: int, liveness_port: int) -> None:
+    def __init__(self, client: kubernetes.client.ApiClient, url: str, metrics_port: int, liveness_port: int,
+                 server: ApiServer | None = None) -> None:
+        self.server = server
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.apps = kubernetes.client.AppsV1Api(client)
         self.core = kubernetes.client.CoreV1Api(client)
@@ -118,7 +129,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
         monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(metrics_port))
         monkeypatch.delenv("SPECDECODE_WEBHOOK_PORT", raising=False)
         with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
-            cluster = Cluster(client, url, metrics_port, liveness_port)
+            cluster = Cluster(client, url, metrics_port, liveness_port, server)
             cluster.start_operator()
             try:
                 yield cluster
@@ -202,11 +213,14 @@ def test_the_emulator_keeps_the_api_servers_bookkeeping(tmp_path: Path) -> None:
 
 
 def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> None:
-    stable = running_stable(cluster, serviceMonitor={"enabled": True})
+    stable = running_stable(cluster, serviceMonitor={"enabled": True},
+                            rollout={"analysis": FAST_ANALYSIS, "trafficRouting": {"httpRoute": "gateway"}})
     body, status = cluster.get("smollm2-ngram"), cluster.status("smollm2-ngram")
     assert status["observedGeneration"] == body["metadata"]["generation"] == 1
     assert status["warnings"] == ["ServiceMonitor smollm2-ngram not created: the cluster does not serve "
-                                  "monitoring.coreos.com/v1"]
+                                  "monitoring.coreos.com/v1",
+                                  "HTTPRoute gateway: the cluster does not serve gateway.networking.k8s.io/v1; "
+                                  "traffic follows the replica ratio"]
     assert status["replicas"] == status["readyReplicas"] == 2
     assert status["selector"] == f"{names.LABEL_NAME}=specdecode,{names.LABEL_INSTANCE}=smollm2-ngram"
     assert status["rollout"]["phase"] == "Stable" and "canaryRevision" not in status
@@ -301,6 +315,45 @@ def test_low_acceptance_rolls_back_with_the_reason(cluster: Cluster, stand_ins: 
     warnings = [m for t, r, m in cluster.events("smollm2-ngram") if (t, r) == ("Warning", "RolledBack")]
     assert len(warnings) == 1 and "minAcceptanceRate" in warnings[0]
     assert f'{metrics.ROLLBACKS}{{name="smollm2-ngram",namespace="{NS}"}} 1.0' in cluster.operator_metrics()
+
+
+def test_an_httproute_moves_traffic_by_step_weight(cluster: Cluster, stand_ins: list[HttpStandIn]) -> None:
+    """With the Gateway API served: the user's route gets the stable and canary Services as
+    backends, weighted by the step the canary last reached; another application's rule stays."""
+    assert cluster.server is not None
+    cluster.server.install_crd(HTTP_ROUTE_CRD)
+    routes = ("gateway.networking.k8s.io", "v1", NS, "httproutes")
+    admin = {"matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}],
+             "backendRefs": [{"name": "admin-ui", "port": 80}]}
+    cluster.custom.create_namespaced_custom_object(*routes, {
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "gateway"},
+        "spec": {"parentRefs": [{"name": "public"}], "rules": [
+            {"backendRefs": [{"name": "smollm2-ngram", "port": 8000}]}, admin]}})
+
+    def weights() -> dict[str, int]:
+        rules = cluster.custom.get_namespaced_custom_object(*routes, "gateway")["spec"]["rules"]
+        assert rules[1] == admin
+        return {ref["name"]: ref["weight"] for ref in rules[0]["backendRefs"] if "weight" in ref}
+
+    def selects(service: str) -> str:
+        return cluster.core.read_namespaced_service(service, NS).spec.selector[names.LABEL_REVISION]
+
+    stable = running_stable(cluster, rollout={"analysis": FAST_ANALYSIS, "trafficRouting": {"httpRoute": "gateway"}})
+    wait_for(lambda: weights() == {"smollm2-ngram-stable": 100, "smollm2-ngram-canary": 0}, "all traffic to stable")
+    assert selects("smollm2-ngram-stable") == selects("smollm2-ngram-canary") == stable
+    assert "warnings" not in cluster.status("smollm2-ngram") or cluster.status("smollm2-ngram")["warnings"] == []
+
+    canary = start_canary(cluster)
+    stand_ins.append(runtime := RuntimeStandIn(acceptance=0.8))
+    cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
+    wait_for(lambda: weights() == {"smollm2-ngram-stable": 50, "smollm2-ngram-canary": 50}, "half to the canary")
+    assert cluster.status("smollm2-ngram")["rollout"]["canaryWeight"] == 50
+    assert (selects("smollm2-ngram-stable"), selects("smollm2-ngram-canary")) == (stable, canary)
+
+    wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
+    wait_for(lambda: weights() == {"smollm2-ngram-stable": 100, "smollm2-ngram-canary": 0}, "all traffic to stable")
+    assert selects("smollm2-ngram-stable") == selects("smollm2-ngram-canary") == canary
+    assert f'{metrics.CANARY_WEIGHT}{{name="smollm2-ngram",namespace="{NS}"}} 0.0' in cluster.operator_metrics()
 
 
 def test_prometheus_source_judges_the_canary_without_scraping_pods(cluster: Cluster,

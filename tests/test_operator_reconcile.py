@@ -65,7 +65,7 @@ def names_of(objs: tuple[dict[str, Any], ...]) -> set[tuple[str, str]]:
 
 def test_a_fresh_resource_creates_its_revision_and_the_shared_objects() -> None:
     r = resolved(podDisruptionBudget={"enabled": True})
-    changes = plan(r, "rev1", {"rev1": 2}, [], leader_worker_set=False)
+    changes = plan(r, "rev1", {"rev1": 2}, [], stable="rev1", leader_worker_set=False)
     assert names_of(changes.create) == {("Deployment", "demo-rev1"), ("Service", "demo"),
                                         ("PodDisruptionBudget", "demo")}
     assert not changes.patch and not changes.delete
@@ -73,15 +73,16 @@ def test_a_fresh_resource_creates_its_revision_and_the_shared_objects() -> None:
 
 def test_what_already_runs_is_left_alone() -> None:
     r = resolved()
-    existing = live([*build_workloads(r, "rev1", 2), *build_shared(r)])
-    assert not plan(r, "rev1", {"rev1": 2}, existing, leader_worker_set=False)
+    existing = live([*build_workloads(r, "rev1", 2), *build_shared(r, "rev1")])
+    assert not plan(r, "rev1", {"rev1": 2}, existing, stable="rev1", leader_worker_set=False)
 
 
 def test_the_stable_revision_is_only_scaled_during_a_rollout() -> None:
     r = resolved()
     old_template = build_workloads(resolved(image="specdecode/runtime:old"), "stable", 2)
-    existing = live([*old_template, *build_shared(r)])
-    changes = plan(r, "canary", {"stable": 1, "canary": 1}, existing, leader_worker_set=False)
+    existing = live([*old_template, *build_shared(r, "stable")])
+    changes = plan(r, "canary", {"stable": 1, "canary": 1}, existing, stable="stable", canary="canary",
+                   leader_worker_set=False)
     assert names_of(changes.create) == {("Deployment", "demo-canary")}
     assert changes.patch == ({"apiVersion": "apps/v1", "kind": "Deployment",
                               "metadata": {"name": "demo-stable", "namespace": "llm"}, "spec": {"replicas": 1}},)
@@ -90,31 +91,31 @@ def test_the_stable_revision_is_only_scaled_during_a_rollout() -> None:
 
 def test_revisions_and_shared_objects_no_longer_wanted_are_deleted() -> None:
     before = resolved(podDisruptionBudget={"enabled": True})
-    existing = live([*build_workloads(before, "old", 2), *build_workloads(before, "new", 2), *build_shared(before)])
-    changes = plan(resolved(), "new", {"new": 2}, existing, leader_worker_set=False)
+    existing = live([*build_workloads(before, "old", 2), *build_workloads(before, "new", 2), *build_shared(before, "new")])
+    changes = plan(resolved(), "new", {"new": 2}, existing, stable="new", leader_worker_set=False)
     assert names_of(changes.delete) == {("Deployment", "demo-old"), ("PodDisruptionBudget", "demo")}
     assert not changes.create and not changes.patch
 
 
 def test_a_changed_desired_object_is_patched_whole() -> None:
     r = resolved()
-    existing = live([*build_workloads(r, "rev1", 2), *build_shared(resolved(service={"port": 9000}))])
-    (service,) = plan(r, "rev1", {"rev1": 2}, existing, leader_worker_set=False).patch
+    existing = live([*build_workloads(r, "rev1", 2), *build_shared(resolved(service={"port": 9000}), "rev1")])
+    (service,) = plan(r, "rev1", {"rev1": 2}, existing, stable="rev1", leader_worker_set=False).patch
     assert service["kind"] == "Service" and service["spec"]["ports"][0]["port"] == 8000
 
 
 def test_statefulset_groups_of_an_older_revision_scale_to_zero_and_back() -> None:
     layout = dict(parallelism={"tensor": 4}, resources={"gpusPerPod": 2})  # 2 pods per group
     r = resolved(**layout)
-    existing = live([*build_workloads(resolved(image="x:old", **layout), "old", 2), *build_shared(r)])
-    shrink = plan(r, "new", {"old": 1, "new": 1}, existing, leader_worker_set=False)
+    existing = live([*build_workloads(resolved(image="x:old", **layout), "old", 2), *build_shared(r, "old")])
+    shrink = plan(r, "new", {"old": 1, "new": 1}, existing, stable="old", canary="new", leader_worker_set=False)
     assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in shrink.patch] == [("demo-old-1", 0)]
     assert names_of(shrink.create) == {("StatefulSet", "demo-new-0"), ("Service", "demo-new-0")}
     assert not shrink.delete  # a rollback scales the group back instead of re-rendering an old spec
 
     scaled = [o if o["metadata"]["name"] != "demo-old-1" else {**o, "spec": {**o["spec"], "replicas": 0}}
               for o in existing]
-    back = plan(r, "new", {"old": 2}, scaled, leader_worker_set=False)
+    back = plan(r, "new", {"old": 2}, scaled, stable="old", leader_worker_set=False)
     assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in back.patch] == [("demo-old-1", 2)]  # pods per group
 
 

@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 
 from specdecode.operator import names
-from specdecode.operator.render import build_workloads, pod_template, render, revision
+from specdecode.operator.render import build_shared, build_workloads, pod_template, render, revision
 from specdecode.operator.resolve import Resolved, resolve
 from specdecode.runtime.config import SpeculativeConfig
 
@@ -64,6 +64,7 @@ EVERYTHING = dict(
     resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": 32}, "shmSize": "8Gi"},
     serviceMonitor={"enabled": True, "labels": {"release": "prom"}},
     podDisruptionBudget={"enabled": True, "maxUnavailable": "50%"},
+    rollout={"trafficRouting": {"httpRoute": "llm-gateway"}},
     service={"type": "LoadBalancer", "port": 80, "annotations": {"a": "b"}},
     pod={
         "nodeSelector": {"gpu": "h100"},
@@ -194,8 +195,9 @@ def test_leader_worker_set_when_the_cluster_serves_it():
 
 def test_service_monitor_and_pdb():
     objs = render(resolved(**EVERYTHING))
-    by_kind = {o["kind"]: o for o in objs}
-    monitor, pdb, service = by_kind["ServiceMonitor"], by_kind["PodDisruptionBudget"], by_kind["Service"]
+    by_kind = {o["kind"]: o for o in objs if o["kind"] != "Service"}
+    monitor, pdb = by_kind["ServiceMonitor"], by_kind["PodDisruptionBudget"]
+    (service,) = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == names.service_name("demo")]
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     (endpoint,) = monitor["spec"]["endpoints"]
@@ -207,6 +209,26 @@ def test_service_monitor_and_pdb():
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 80
 
 
+def test_traffic_routing_adds_a_stable_and_a_canary_service():
+    r = resolved(**{**EVERYTHING, **LAYOUTS["pp-sts"]})
+    objs = build_shared(r, "old", "new")
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    assert set(services) == {"demo", "demo-stable", "demo-canary"}
+    api = services["demo"]
+    for name, rev in (("demo-stable", "old"), ("demo-canary", "new")):
+        service = services[name]
+        assert service["spec"]["selector"] == {**api["spec"]["selector"], names.LABEL_REVISION: rev}  # leaders only
+        assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"] == api["spec"]["ports"]
+        assert service["metadata"]["labels"][names.LABEL_COMPONENT] == names.COMPONENT_ROUTE_BACKEND
+        assert names.LABEL_REVISION not in service["metadata"]["labels"]  # shared, not one revision's object
+    (monitor,) = [o for o in objs if o["kind"] == "ServiceMonitor"]  # scrapes through the API Service only
+    selects = monitor["spec"]["selector"]["matchLabels"].items()
+    assert [n for n, o in services.items() if selects <= o["metadata"]["labels"].items()] == ["demo"]
+    no_canary = {o["metadata"]["name"]: o for o in build_shared(r, "old")}
+    assert no_canary["demo-canary"]["spec"]["selector"][names.LABEL_REVISION] == "old"
+    assert [o["metadata"]["name"] for o in build_shared(resolved(), "old") if o["kind"] == "Service"] == ["demo"]
+
+
 def test_revision_is_stable_and_follows_the_pod_template():
     base = revision(resolved(speculative={"method": "ngram"}))
     assert base == revision(resolved(speculative={"method": "ngram"}))
@@ -214,6 +236,7 @@ def test_revision_is_stable_and_follows_the_pod_template():
     # what the pods do not see makes no new revision
     assert base == revision(resolved(speculative={"method": "ngram"}, replicas=5))
     assert base == revision(resolved(speculative={"method": "ngram"}, rollout={"analysis": {"minAcceptanceRate": 0.4}}))
+    assert base == revision(resolved(speculative={"method": "ngram"}, rollout={"trafficRouting": {"httpRoute": "r"}}))
     assert base == revision(resolved(speculative={"method": "ngram", "numSpeculativeTokens": 4}))  # the default spelled out
     # what they do see makes one
     changed = {

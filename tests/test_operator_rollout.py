@@ -129,6 +129,43 @@ def test_a_canary_is_promoted_step_by_step():
     assert condition(s, ConditionType.READY).status == ConditionStatus.TRUE
 
 
+def test_the_route_weight_follows_the_step_last_reached():
+    op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
+    assert op.tick("rev1").status.rollout.canary_weight == 0
+    weights = [op.tick("rev2").status.rollout.canary_weight for _ in range(2)]
+    assert weights == [0, 0]  # canary replicas not all ready yet: no traffic
+    reached = op.now
+    assert op.tick("rev2").status.rollout.canary_weight == 50  # step 1 reached
+    op.now = reached + WINDOW
+    t = op.tick("rev2", op.passing("rev2", reached))
+    assert kinds(t) == ["StepPassed"] and t.status.rollout.canary_weight == 50  # until step 2 is reached
+    op.tick("rev2")
+    second = op.now
+    assert op.tick("rev2").status.rollout.canary_weight == 100
+    op.now = second + WINDOW
+    t = op.tick("rev2", op.passing("rev2", second))
+    assert kinds(t) == ["Promoted"] and t.status.rollout.canary_weight == 0  # the stable Service selects rev2 now
+
+    assert Operator(make_spec()).tick("rev1").status.rollout.canary_weight is None  # no route: replica ratio
+
+
+def test_a_manual_promotion_keeps_the_route_weight_until_every_replica_is_ready():
+    op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
+    op.reach_first_step()
+    t = op.tick("rev2", commands=frozenset({Command.PROMOTE}))
+    assert t.status.rollout.phase == RolloutPhase.PROMOTING and t.status.rollout.canary_weight == 50
+    assert op.tick("rev2").status.rollout.canary_weight == 50
+    t = op.tick("rev2")
+    assert kinds(t) == ["Promoted"] and t.status.rollout.canary_weight == 0
+
+
+def test_a_rollback_takes_the_route_weight_back():
+    op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
+    op.reach_first_step()
+    t = op.tick("rev2", commands=frozenset({Command.ABORT}))
+    assert t.status.rollout.phase == RolloutPhase.ROLLED_BACK and t.status.rollout.canary_weight == 0
+
+
 def test_scaling_alone_is_not_a_new_revision():
     def rendered_revision(replicas: int) -> str:
         body = {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "demo"},

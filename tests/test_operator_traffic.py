@@ -1,0 +1,64 @@
+"""traffic: the weights the operator sets on the user's HTTPRoute (pure; the controller applies them)."""
+from typing import Any
+
+import pytest
+
+from specdecode.operator import names
+from specdecode.operator.resolve import Resolved, resolve
+from specdecode.operator.traffic import RouteError, backends, route_patch
+
+
+def resolved(port: int = 8000) -> Resolved:
+    body = {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "demo", "namespace": "llm"},
+            "spec": {"model": {"uri": "smollm2-135m"}, "image": "specdecode/runtime:test", "service": {"port": port},
+                     "rollout": {"trafficRouting": {"httpRoute": "gateway"}}}}
+    answer = resolve(body)
+    assert answer.allowed, answer.message
+    return answer.resolved
+
+
+def route(*rules: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": "gateway", "namespace": "llm", "resourceVersion": "41", "uid": "u"},
+            "spec": {"parentRefs": [{"name": "public"}], "hostnames": ["llm.example.com"], "rules": list(rules)}}
+
+
+def ref(name: str, **more: Any) -> dict[str, Any]:
+    return {"name": name, "port": 8000, **more}
+
+
+CHAT = {"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendRefs": [ref("demo")]}
+OTHER = {"matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}], "backendRefs": [ref("admin-ui")]}
+
+
+def test_rules_pointing_at_this_resource_get_the_weighted_services() -> None:
+    patch = route_patch(route(CHAT, OTHER, {"filters": []}), resolved(), 30)
+    assert patch["metadata"] == {"name": "gateway", "namespace": "llm", "resourceVersion": "41"}
+    assert set(patch) == {"apiVersion", "kind", "metadata", "spec"} and set(patch["spec"]) == {"rules"}
+    chat, other, empty = patch["spec"]["rules"]
+    weighted = [{"name": "demo-stable", "port": 8000, "weight": 70}, {"name": "demo-canary", "port": 8000, "weight": 30}]
+    assert chat == {"matches": CHAT["matches"], "backendRefs": weighted}  # matches kept
+    assert other == OTHER  # another application's rule is left alone
+    assert empty == {"filters": [], "backendRefs": weighted}  # a rule without backends is ours to fill
+
+
+def test_nothing_to_do_when_the_weights_are_set_even_with_server_defaults() -> None:
+    defaulted = [{"group": "", "kind": "Service", **b} for b in backends(resolved(), 50)]
+    assert route_patch(route({"backendRefs": defaulted}, OTHER), resolved(), 50) is None
+    assert route_patch(route({"backendRefs": defaulted}), resolved(), 60) is not None
+
+
+def test_a_route_without_a_rule_of_ours_is_reported() -> None:
+    foreign = [
+        {"backendRefs": [ref("admin-ui")]},
+        {"backendRefs": [ref("demo", namespace="elsewhere")]},
+        {"backendRefs": [ref("demo", kind="ServiceImport", group="multicluster.x-k8s.io")]},
+        {"backendRefs": [ref("demo"), ref("admin-ui")]},  # shared with something else: not ours to rewrite
+    ]
+    with pytest.raises(RouteError, match="HTTPRoute gateway has no rule whose backends are Service demo"):
+        route_patch(route(*foreign), resolved(), 0)
+
+
+def test_backends_use_the_service_port() -> None:
+    assert [b["port"] for b in backends(resolved(port=80), 10)] == [80, 80]
+    assert [b["weight"] for b in backends(resolved(), 0)] == [100, 0]
