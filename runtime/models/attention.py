@@ -53,9 +53,12 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in batch.groups:
         bsz, q_len = group.token_index.shape
-        qg = q[group.token_index].transpose(1, 2)  # [B, heads, Q, head_dim]
-        kg = k_pool[group.block_tables].view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
-        vg = v_pool[group.block_tables].view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
+        # index_select, not advanced indexing: on CPU, x[idx] is a parallel TensorIterator op whose
+        # thread sync costs milliseconds per call when another process holds a core.
+        qg = q.index_select(0, group.token_index.view(-1)).view(bsz, q_len, num_heads, head_dim).transpose(1, 2)
+        blocks = group.block_tables.view(-1)
+        kg = k_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv, K, hd]
+        vg = v_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
         og = F.scaled_dot_product_attention(
             qg, kg, vg, attn_mask=group.mask, scale=scale, enable_gqa=num_heads != kv_heads
         )  # [B, heads, Q, head_dim]
