@@ -4,7 +4,10 @@ Run as a subprocess by ``command.py``: ``python -P -m specdecode.runtime.bench.o
 It applies the chat template and tokenizes the prompts (the peer then reuses these exact ids),
 and at each concurrency c keeps c requests in flight, adding the next prompt as soon as one
 finishes. Greedy, ``ignore_eos`` so every request generates exactly ``max_tokens`` tokens.
-Prefix caching is off: every timed run repeats the same prompts, and the peer has no such cache.
+Every run (warm-up or timed) gets a fresh engine over the one loaded model: the runs repeat the
+same prompts, so nothing may carry over from one to the next — not the prefix cache (off), not
+the suffix proposer's cache of earlier outputs (which would otherwise hold the very answers),
+not load control's rolling acceptance. The peer has none of these either.
 Prompts longer than max-model-len − max-tokens keep their last tokens (``Truncation``). With
 speculation, each run records the engine's own acceptance counters (the ``/metrics`` ones).
 The KV pool is sized so the largest concurrency never preempts.
@@ -27,6 +30,7 @@ from specdecode.runtime.bench.schedule import run_schedule
 from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.sequence import SamplingParams, SpecCounts
+from specdecode.runtime.models.loader import LoadedModel, load_model
 
 BLOCK_SIZE = 16
 
@@ -44,18 +48,22 @@ def truncate(prompt_ids: list[list[int]], max_model_len: int, max_tokens: int) -
     return [ids[-keep:] for ids in prompt_ids], Truncation(max_model_len, keep, [len(ids) for ids in prompt_ids])
 
 
-def build_engine(job: Job) -> tuple[LLMEngine, list[list[int]], Truncation, float]:
-    """Load the model, tokenize and truncate the prompts, then size the KV pool for them."""
-    from specdecode.runtime.models.loader import load_model
-
+def load(job: Job) -> tuple[LoadedModel, int, list[list[int]], Truncation, float]:
+    """Load the model, tokenize and truncate the prompts: (model, max-model-len, prompt ids,
+    truncation, seconds)."""
     start = time.perf_counter()
-    load = LoadConfig(model=job.model, dtype=job.dtype, device=job.device)
-    loaded = load_model(load)
+    loaded = load_model(LoadConfig(model=job.model, dtype=job.dtype, device=job.device))
     max_model_len = min(job.max_model_len or loaded.max_model_len, loaded.config.max_position_embeddings)
     prompt_ids, truncation = truncate(encode_prompts(loaded.tokenizer, job.prompts), max_model_len, job.max_tokens)
+    return loaded, max_model_len, prompt_ids, truncation, time.perf_counter() - start
+
+
+def new_engine(job: Job, loaded: LoadedModel, max_model_len: int, prompt_ids: list[list[int]]) -> LLMEngine:
+    """A fresh engine over ``loaded`` (the draft model, if any, is loaded again), its KV pool
+    sized for the prompts at the largest concurrency."""
     longest = max(len(p) for p in prompt_ids) + job.max_tokens + 1
     cfg = EngineConfig(
-        load=load,
+        load=LoadConfig(model=job.model, dtype=job.dtype, device=job.device),
         cache=CacheConfig(
             block_size=BLOCK_SIZE, enable_prefix_caching=False,
             num_blocks=max(job.concurrency) * -(-longest // BLOCK_SIZE) + 1,
@@ -63,8 +71,7 @@ def build_engine(job: Job) -> tuple[LLMEngine, list[list[int]], Truncation, floa
         scheduler=SchedulerConfig(max_num_seqs=max(32, *job.concurrency), max_model_len=max_model_len),
         speculative=SpeculativeConfig.model_validate(job.speculative or {}),
     )
-    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
-    return engine, prompt_ids, truncation, time.perf_counter() - start
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
 
 
 def spec_counts(engine: LLMEngine) -> SpecCounts:
@@ -121,10 +128,11 @@ def run_closed_loop(
 
 def run_job(job: Job) -> SystemResult:
     torch.set_num_threads(job.threads)
-    engine, prompt_ids, truncation, load_s = build_engine(job)
+    loaded, max_model_len, prompt_ids, truncation, load_s = load(job)
     runs = run_schedule(
         job.system, job, prompt_ids,
-        lambda ids, c, warmup, tag: run_closed_loop(engine, ids, job.max_tokens, c, warmup, tag),
+        lambda ids, c, warmup, tag: run_closed_loop(new_engine(job, loaded, max_model_len, prompt_ids), ids,
+                                                    job.max_tokens, c, warmup, tag),
     )
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     return SystemResult(job.system, versions, torch.get_num_threads(), load_s, prompt_ids, runs, truncation=truncation)
