@@ -62,6 +62,12 @@ class LoadControl(Shared):
     acceptance_floor: float = Field(0.0, ge=0.0, le=1.0, description="0 turns the floor off")
     window_draft_tokens: int = Field(256, ge=8, description="acceptance is measured over this many draft tokens")
     reprobe_steps: int = Field(64, ge=1, description="steps spent off before speculation is probed again")
+    goodput: bool = Field(
+        False, description="each step, ask for the K (at most the table's) that maximises expected emitted tokens per "
+        "second: per-position acceptance and draft availability measured on this server, step time as a linear "
+        "function of scored tokens fitted to this machine's own steps; K = 0 where speculation does not pay, probed "
+        "again after reprobe_steps"
+    )
 
     @field_validator("batch_size_table")
     @classmethod

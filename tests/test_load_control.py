@@ -1,7 +1,7 @@
 """Load control: the batch-size → K table and the acceptance floor that turns speculation off
 and probes it again later — unit level and inside the engine."""
 from specdecode.runtime.config import BatchSizeRule, LoadControl
-from specdecode.runtime.engine.load_control import LoadController
+from specdecode.runtime.engine.load_control import LoadController, StepTimeModel
 from specdecode.runtime.engine.sequence import SamplingParams
 
 
@@ -55,3 +55,62 @@ def test_batch_table_applies_inside_the_engine(sharp, make_engine, run_all):
     single = make_engine(model, tok, spec=spec)
     run_all(single, prompts[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert single.stats().spec_decode_num_draft_tokens > 0
+
+
+# -- goodput: K from measured acceptance and this machine's step times ---------------------------
+
+
+def goodput_controller(t0: float, per_token: float, accepted: list[int], reprobe_steps: int = 5):
+    """A goodput controller (K ≤ 4) that has seen steps costing ``t0 + per_token · n`` and, for
+    sequences asked for and given 4 drafts, verifications accepting ``accepted`` (a pattern
+    repeated so that no order skews the decayed estimates)."""
+    lc = LoadController(LoadControl(goodput=True, reprobe_steps=reprobe_steps), num_speculative_tokens=4)
+    for n in range(1, 64):
+        lc.observe_step(n, t0 + per_token * n)
+    for _ in range(200 // len(accepted)):
+        for m in accepted:
+            lc.observe_proposal([4], [4])
+            lc.observe(4, m)
+    return lc
+
+
+def test_the_step_time_model_fits_a_line_once_sizes_vary():
+    model = StepTimeModel()
+    for _ in range(40):
+        model.observe(8, 0.066)
+    assert model.predict(8) is None  # one size only: no slope
+    for n in range(1, 40):
+        model.observe(n, 0.05 + 0.002 * n)
+    assert abs(model.predict(100) - 0.25) < 0.02
+
+
+def test_goodput_turns_speculation_off_where_scoring_costs_and_acceptance_is_low():
+    cpu_low = goodput_controller(0.05, 0.01, [0, 0, 1, 0, 2])  # c = 0.4, 0.2, 0, 0
+    assert cpu_low.num_speculative_tokens(8) == 0 and not cpu_low.enabled
+    gpu_low = goodput_controller(0.05, 0.00001, [0, 0, 1, 0, 2])  # scoring is free: drafts cost nothing
+    assert gpu_low.num_speculative_tokens(8) >= 2 and gpu_low.enabled
+
+
+def test_goodput_stops_where_later_positions_stop_paying():
+    lc = goodput_controller(0.05, 0.005, [0, 1, *[2] * 14, 3, 4])  # c = 0.9, 0.8, 0.1, 0.05
+    assert lc.num_speculative_tokens(1) == 2  # 2.7 tokens / 65 ms beats 2.85 / 75 ms and 1.9 / 60 ms
+
+
+def test_goodput_probes_again_after_reprobe_steps_and_never_exceeds_the_table():
+    lc = goodput_controller(0.05, 0.01, [0], reprobe_steps=3)
+    assert [lc.num_speculative_tokens(8) for _ in range(4)] == [0, 0, 0, 4]
+    assert lc.enabled  # the probe step
+    table = (BatchSizeRule(max_batch_size=64, num_speculative_tokens=1),)
+    capped = LoadController(LoadControl(goodput=True, batch_size_table=table), num_speculative_tokens=4)
+    assert capped.num_speculative_tokens(8) == 1  # unmeasured: the table's K
+
+
+def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engine, run_all):
+    model, tok = sharp
+    prompts = [tok.encode("hello hello hello world"), tok.encode("one two one two one")]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = run_all(make_engine(model, tok), prompts, params)
+    engine = make_engine(model, tok, spec={"method": "ngram", "load_control": {"goodput": True}})
+    assert run_all(engine, prompts, params) == plain
+    lc = engine.load_control
+    assert lc.step_time.w > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured

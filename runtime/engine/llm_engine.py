@@ -142,6 +142,7 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         self._propose()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -161,6 +162,7 @@ class LLMEngine:
             item.seq.draft_token_ids, item.seq.draft_probs = [], None
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
+        self.load_control.observe_step(sum(item.num_tokens for item in scheduled), time.perf_counter() - started)
         return self._collect_outputs()
 
     def _propose(self) -> None:
@@ -175,6 +177,7 @@ class LLMEngine:
         if not chosen:
             return
         proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
+        self.load_control.observe_proposal([c for _, c in chosen], [len(t) for t in proposal.token_ids])
         for i, ((seq, _), tokens) in enumerate(zip(chosen, proposal.token_ids)):
             seq.draft_token_ids = tokens
             seq.draft_probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]

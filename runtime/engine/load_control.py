@@ -4,12 +4,85 @@ Speculation trades extra target work per step for fewer steps. Under heavy load 
 already busy, so a batch-size → K table turns it down (K = 0: off). And when acceptance falls
 under a floor, proposals are mostly wasted: speculation switches off for ``reprobe_steps``
 steps, then is probed again with a fresh window.
+
+``goodput`` replaces guesses with this server's own measurements. Whether speculation pays
+depends on the hardware as much as on acceptance: on a GPU, scoring 5 tokens per sequence
+costs about what scoring 1 does; on a CPU it costs nearly 5 times as much once the batch is a
+few sequences. So each step picks the K (up to the table's) that maximises
+
+    expected tokens emitted per second = B · (1 + Σ_{i≤K} q_i · c_i) / T(B · (1 + Σ_{i≤K} q_i))
+
+for B decoding sequences, where q_i is how often the proposer delivers a draft at position i
+when asked for one, c_i how often a delivered draft at position i is accepted (so q_i · c_i is
+the chance position i adds a token), and T(n) = t0 + t1 · n the step time for n scored tokens,
+fitted by least squares to the engine's steps. All three forget old data exponentially. Until
+both are measured it asks for the table's K; after ``reprobe_steps`` steps at K = 0 it asks
+for the table's K once, so the estimates stay current.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from specdecode.runtime.config import LoadControl
+
+SEQUENCE_DECAY = 0.995  # weight an old draft observation keeps per new one (about the last 200 sequences)
+STEP_DECAY = 0.98  # weight an old step keeps per new one (about the last 50 steps)
+MIN_SAMPLES = 16.0  # decayed observations each estimate needs before it is trusted
+
+
+class StepTimeModel:
+    """Seconds per engine step as ``t0 + t1 · tokens scored``, by exponentially weighted least squares."""
+
+    def __init__(self) -> None:
+        self.w = self.wn = self.wnn = self.wt = self.wnt = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = STEP_DECAY
+        self.w, self.wn, self.wnn, self.wt, self.wnt = (
+            d * self.w + 1.0, d * self.wn + tokens, d * self.wnn + tokens * tokens,
+            d * self.wt + seconds, d * self.wnt + tokens * seconds,
+        )
+
+    def predict(self, tokens: float) -> float | None:
+        """Expected seconds; None until enough steps of different sizes were seen to fit a line."""
+        if self.w < MIN_SAMPLES:
+            return None
+        mean_n, mean_t = self.wn / self.w, self.wt / self.w
+        var_n = self.wnn / self.w - mean_n**2
+        if var_n < 1.0:  # every step the same size: no slope to fit
+            return None
+        slope = max(0.0, (self.wnt / self.w - mean_n * mean_t) / var_n)
+        intercept = max(0.0, mean_t - slope * mean_n)
+        return intercept + slope * tokens
+
+
+class PositionStats:
+    """Per draft position i (0-based here): delivered / asked (q_i) over proposals, and
+    accepted / drafted (c_i) over verifications — each ratio's two counts decay together."""
+
+    def __init__(self, k: int) -> None:
+        self.asked, self.delivered = [0.0] * k, [0.0] * k
+        self.drafted, self.accepted = [0.0] * k, [0.0] * k
+
+    def proposed(self, asked: int, delivered: int) -> None:
+        for i in range(asked):
+            self.asked[i] = SEQUENCE_DECAY * self.asked[i] + 1.0
+            self.delivered[i] = SEQUENCE_DECAY * self.delivered[i] + (i < delivered)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        for i in range(drafted):
+            self.drafted[i] = SEQUENCE_DECAY * self.drafted[i] + 1.0
+            self.accepted[i] = SEQUENCE_DECAY * self.accepted[i] + (i < accepted)
+
+    def known(self, k: int) -> bool:
+        """Enough proposals seen at every position up to ``k``, and some verified drafts."""
+        return self.asked[0] >= MIN_SAMPLES and all(a >= 1.0 for a in self.asked[:k]) and self.drafted[0] >= 1.0
+
+    def delivery(self, i: int) -> float:
+        return self.delivered[i] / self.asked[i] if self.asked[i] else 0.0
+
+    def acceptance(self, i: int) -> float:
+        return self.accepted[i] / self.drafted[i] if self.drafted[i] else 0.0
 
 
 class LoadController:
@@ -20,21 +93,60 @@ class LoadController:
         self.window_drafts = 0
         self.window_accepted = 0
         self.off_steps_left = 0
+        self.step_time = StepTimeModel()
+        self.positions = PositionStats(num_speculative_tokens)
+        self.steps_without = 0  # goodput: steps in a row it chose K = 0 where the table allowed more
 
     @property
     def enabled(self) -> bool:
-        return self.off_steps_left == 0
+        """False while the acceptance floor or goodput holds speculation off (not for the table)."""
+        return self.off_steps_left == 0 and self.steps_without == 0
 
     def num_speculative_tokens(self, batch_size: int) -> int:
         if self.off_steps_left > 0:
             self.off_steps_left -= 1
             return 0
+        k = self._table_k(batch_size)
+        if self.cfg.goodput and k > 0:
+            k = self._goodput_k(batch_size, k)
+        return k
+
+    def _table_k(self, batch_size: int) -> int:
         for rule in self.cfg.batch_size_table:
             if batch_size <= rule.max_batch_size:
                 return min(self.k, rule.num_speculative_tokens)
         return self.k if not self.cfg.batch_size_table else 0
 
+    def _goodput_k(self, batch_size: int, k_max: int) -> int:
+        """The K ≤ k_max with the most expected tokens per second (k_max while unmeasured or re-probing)."""
+        if not self.positions.known(k_max) or self.step_time.predict(batch_size) is None:
+            return k_max
+        if self.steps_without >= self.cfg.reprobe_steps:
+            self.steps_without = 0
+            return k_max
+        best_k, best_rate = 0, batch_size / max(self.step_time.predict(batch_size), 1e-9)
+        gain = scored = 1.0
+        for i in range(k_max):
+            q = self.positions.delivery(i)
+            gain += q * self.positions.acceptance(i)
+            scored += q
+            rate = batch_size * gain / max(self.step_time.predict(batch_size * scored), 1e-9)
+            if rate > best_rate:
+                best_k, best_rate = i + 1, rate
+        self.steps_without = self.steps_without + 1 if best_k == 0 else 0
+        return best_k
+
+    def observe_proposal(self, asked: list[int], delivered: list[int]) -> None:
+        """Drafts asked for and delivered, per sequence, this step."""
+        for a, d in zip(asked, delivered):
+            self.positions.proposed(a, d)
+
+    def observe_step(self, tokens_scored: int, seconds: float) -> None:
+        self.step_time.observe(tokens_scored, seconds)
+
     def observe(self, draft_tokens: int, accepted: int) -> None:
+        if draft_tokens:
+            self.positions.verified(draft_tokens, accepted)
         if draft_tokens == 0 or self.cfg.acceptance_floor == 0.0:
             return
         self.window.append((draft_tokens, accepted))
