@@ -1,15 +1,15 @@
 """Load control: the batch-size → K table and the acceptance floor that turns speculation off
 and probes it again later — unit level and inside the engine."""
 from specdecode.runtime.config import BatchSizeRule, LoadControl
-from specdecode.runtime.engine.load_control import LoadController, StepTimeModel
+from specdecode.runtime.engine.load_control import DraftBudget, LoadController, StepTimeModel
 from specdecode.runtime.engine.sequence import SamplingParams
 
 
 def test_batch_size_table_picks_k_and_turns_off_past_the_last_rule():
     table = (BatchSizeRule(max_batch_size=4, num_speculative_tokens=5), BatchSizeRule(max_batch_size=16, num_speculative_tokens=2))
     lc = LoadController(LoadControl(batch_size_table=table), num_speculative_tokens=4)
-    assert [lc.num_speculative_tokens(b) for b in (1, 4, 5, 16, 17)] == [4, 4, 2, 2, 0]
-    assert LoadController(LoadControl(), 3).num_speculative_tokens(1000) == 3
+    assert [lc.budget(b, b).k for b in (1, 4, 5, 16, 17)] == [4, 4, 2, 2, 0]
+    assert LoadController(LoadControl(), 3).budget(1000, 1000).k == 3
 
 
 def test_acceptance_floor_switches_off_then_reprobes():
@@ -17,12 +17,12 @@ def test_acceptance_floor_switches_off_then_reprobes():
     lc = LoadController(cfg, num_speculative_tokens=4)
     lc.observe(4, 3)
     lc.observe(4, 3)  # 6/8 accepted: stays on
-    assert lc.enabled and lc.num_speculative_tokens(1) == 4
+    assert lc.enabled and lc.budget(1, 1).k == 4
     lc.observe(4, 0)
     lc.observe(4, 0)  # window now 3/8 < 0.5: off
     assert not lc.enabled
-    assert [lc.num_speculative_tokens(1) for _ in range(3)] == [0, 0, 0]
-    assert lc.enabled and lc.num_speculative_tokens(1) == 4  # probed again with a fresh window
+    assert [lc.budget(1, 1).k for _ in range(3)] == [0, 0, 0]
+    assert lc.enabled and lc.budget(1, 1).k == 4  # probed again with a fresh window
 
 
 def test_engine_turns_speculation_off_under_a_floor_and_back_on(sharp, make_engine):
@@ -86,23 +86,23 @@ def test_the_step_time_model_fits_a_line_once_sizes_vary():
 
 def test_goodput_turns_speculation_off_where_scoring_costs_and_acceptance_is_low():
     cpu_low = goodput_controller(0.05, 0.01, [0, 0, 1, 0, 2])  # c = 0.4, 0.2, 0, 0
-    assert cpu_low.num_speculative_tokens(8) == 0 and not cpu_low.enabled
+    assert cpu_low.budget(8, 8).k == 0 and not cpu_low.enabled
     gpu_low = goodput_controller(0.05, 0.00001, [0, 0, 1, 0, 2])  # scoring is free: drafts cost nothing
-    assert gpu_low.num_speculative_tokens(8) >= 2 and gpu_low.enabled
+    assert gpu_low.budget(8, 8).k >= 2 and gpu_low.enabled
 
 
 def test_goodput_stops_where_later_positions_stop_paying():
     lc = goodput_controller(0.05, 0.005, [0, 1, *[2] * 14, 3, 4])  # c = 0.9, 0.8, 0.1, 0.05
-    assert lc.num_speculative_tokens(1) == 2  # 2.7 tokens / 65 ms beats 2.85 / 75 ms and 1.9 / 60 ms
+    assert lc.budget(1, 1).k == 2  # 2.7 tokens / 65 ms beats 2.85 / 75 ms and 1.9 / 60 ms
 
 
 def test_goodput_probes_again_after_reprobe_steps_and_never_exceeds_the_table():
     lc = goodput_controller(0.05, 0.01, [0], reprobe_steps=3)
-    assert [lc.num_speculative_tokens(8) for _ in range(4)] == [0, 0, 0, 4]
-    assert lc.enabled  # the probe step
+    assert [lc.budget(8, 8) for _ in range(4)] == [DraftBudget(0)] * 3 + [DraftBudget(4, sequences=1)]
+    assert lc.enabled  # the probe step: one sequence drafts, the batch's step barely grows
     table = (BatchSizeRule(max_batch_size=64, num_speculative_tokens=1),)
     capped = LoadController(LoadControl(goodput=True, batch_size_table=table), num_speculative_tokens=4)
-    assert capped.num_speculative_tokens(8) == 1  # unmeasured: the table's K
+    assert capped.budget(8, 8).k == 1  # unmeasured: the table's K
 
 
 def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engine, run_all):

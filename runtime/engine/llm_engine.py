@@ -170,9 +170,9 @@ class LLMEngine:
         running = self.scheduler.running
         if self.proposer is None or not running:
             return
-        k = self.load_control.num_speculative_tokens(len(running))
         decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
-        caps = [self._draft_cap(s, k) for s in decoding]
+        budget = self.load_control.budget(len(running), len(decoding))
+        caps = [self._draft_cap(s, budget.k) for s in decoding[: budget.sequences]]
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
         if not chosen:
             return

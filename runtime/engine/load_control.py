@@ -16,12 +16,14 @@ for B decoding sequences, where q_i is how often the proposer delivers a draft a
 when asked for one, c_i how often a delivered draft at position i is accepted (so q_i · c_i is
 the chance position i adds a token), and T(n) = t0 + t1 · n the step time for n scored tokens,
 fitted by least squares to the engine's steps. All three forget old data exponentially. Until
-both are measured it asks for the table's K; after ``reprobe_steps`` steps at K = 0 it asks
-for the table's K once, so the estimates stay current.
+both are measured it asks for the table's K. After ``reprobe_steps`` steps at K = 0 it asks
+one sequence (not the batch: at batch 32 on a CPU a whole-batch probe would cost a step five
+times as long) for the table's K, so the estimates stay current at a negligible price.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from specdecode.runtime.config import LoadControl
 
@@ -85,6 +87,14 @@ class PositionStats:
         return self.accepted[i] / self.drafted[i] if self.drafted[i] else 0.0
 
 
+@dataclass(frozen=True)
+class DraftBudget:
+    """This step's drafts: up to ``k`` per sequence, for the first ``sequences`` decoding ones (None: all)."""
+
+    k: int
+    sequences: int | None = None
+
+
 class LoadController:
     def __init__(self, cfg: LoadControl, num_speculative_tokens: int):
         self.cfg = cfg
@@ -102,14 +112,15 @@ class LoadController:
         """False while the acceptance floor or goodput holds speculation off (not for the table)."""
         return self.off_steps_left == 0 and self.steps_without == 0
 
-    def num_speculative_tokens(self, batch_size: int) -> int:
+    def budget(self, running: int, decoding: int) -> DraftBudget:
+        """The table picks K by the ``running`` batch size; goodput weighs the ``decoding`` sequences."""
         if self.off_steps_left > 0:
             self.off_steps_left -= 1
-            return 0
-        k = self._table_k(batch_size)
+            return DraftBudget(0)
+        k = self._table_k(running)
         if self.cfg.goodput and k > 0:
-            k = self._goodput_k(batch_size, k)
-        return k
+            return self._goodput(decoding, k)
+        return DraftBudget(k)
 
     def _table_k(self, batch_size: int) -> int:
         for rule in self.cfg.batch_size_table:
@@ -117,13 +128,14 @@ class LoadController:
                 return min(self.k, rule.num_speculative_tokens)
         return self.k if not self.cfg.batch_size_table else 0
 
-    def _goodput_k(self, batch_size: int, k_max: int) -> int:
-        """The K ≤ k_max with the most expected tokens per second (k_max while unmeasured or re-probing)."""
+    def _goodput(self, batch_size: int, k_max: int) -> DraftBudget:
+        """The K ≤ k_max with the most expected tokens per second (k_max while unmeasured; for one
+        sequence when re-probing)."""
         if not self.positions.known(k_max) or self.step_time.predict(batch_size) is None:
-            return k_max
+            return DraftBudget(k_max)
         if self.steps_without >= self.cfg.reprobe_steps:
             self.steps_without = 0
-            return k_max
+            return DraftBudget(k_max, sequences=1)
         best_k, best_rate = 0, batch_size / max(self.step_time.predict(batch_size), 1e-9)
         gain = scored = 1.0
         for i in range(k_max):
@@ -134,7 +146,7 @@ class LoadController:
             if rate > best_rate:
                 best_k, best_rate = i + 1, rate
         self.steps_without = self.steps_without + 1 if best_k == 0 else 0
-        return best_k
+        return DraftBudget(best_k)
 
     def observe_proposal(self, asked: list[int], delivered: list[int]) -> None:
         """Drafts asked for and delivered, per sequence, this step."""
