@@ -66,7 +66,7 @@ def goodput_controller(t0: float, per_token: float, accepted: list[int], reprobe
     repeated so that no order skews the decayed estimates)."""
     lc = LoadController(LoadControl(goodput=True, reprobe_steps=reprobe_steps), num_speculative_tokens=4)
     for n in range(1, 64):
-        lc.observe_step(n, t0 + per_token * n)
+        lc.observe_step(n, 0, t0 + per_token * n)
     for _ in range(200 // len(accepted)):
         for m in accepted:
             lc.observe_proposal([4], [4])
@@ -77,11 +77,23 @@ def goodput_controller(t0: float, per_token: float, accepted: list[int], reprobe
 def test_the_step_time_model_fits_a_line_once_sizes_vary():
     model = StepTimeModel()
     for _ in range(40):
-        model.observe(8, 0.066)
-    assert model.predict(8) is None  # one size only: no slope
+        model.observe(8, 0, 0.066)
+    assert model.decode_line() is None  # one size only: no slope
     for n in range(1, 40):
-        model.observe(n, 0.05 + 0.002 * n)
-    assert abs(model.predict(100) - 0.25) < 0.02
+        model.observe(n, 0, 0.05 + 0.002 * n)
+    t0, a = model.decode_line()
+    assert abs(t0 - 0.05) < 0.002 and abs(a - 0.002) < 0.0002
+
+
+def test_the_step_time_model_prices_decided_rows_apart_from_prefill_tokens():
+    """Prefill tokens are cheap per token (big matmuls, no LM head): a single slope over all
+    tokens would price a draft at that rate and over-rate speculation."""
+    model = StepTimeModel()
+    for n in range(1, 41):
+        model.observe(n, 0, 0.05 + 0.004 * n)  # decode and verify steps
+        model.observe(1, 511, 0.05 + 0.004 + 0.001 * 511)  # a prefill chunk of 512, its last row decided
+    t0, a = model.decode_line()
+    assert abs(t0 - 0.05) < 0.002 and abs(a - 0.004) < 0.0002
 
 
 def test_goodput_turns_speculation_off_where_scoring_costs_and_acceptance_is_low():
@@ -113,4 +125,4 @@ def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engi
     engine = make_engine(model, tok, spec={"method": "ngram", "load_control": {"goodput": True}})
     assert run_all(engine, prompts, params) == plain
     lc = engine.load_control
-    assert lc.step_time.w > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured
+    assert lc.step_time.xx[0, 0] > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured

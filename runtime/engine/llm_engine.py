@@ -162,7 +162,8 @@ class LLMEngine:
             item.seq.draft_token_ids, item.seq.draft_probs = [], None
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
-        self.load_control.observe_step(sum(item.num_tokens for item in scheduled), time.perf_counter() - started)
+        rows = len(logits)
+        self.load_control.observe_step(rows, sum(item.num_tokens for item in scheduled) - rows, time.perf_counter() - started)
         return self._collect_outputs()
 
     def _propose(self) -> None:

@@ -14,9 +14,9 @@ few sequences. So each step picks the K (up to the table's) that maximises
 
 for B decoding sequences, where q_i is how often the proposer delivers a draft at position i
 when asked for one, c_i how often a delivered draft at position i is accepted (so q_i · c_i is
-the chance position i adds a token), and T(n) = t0 + t1 · n the step time for n scored tokens,
-fitted by least squares to the engine's steps. All three forget old data exponentially. Until
-both are measured it asks for the table's K. After ``reprobe_steps`` steps at K = 0 it asks
+the chance position i adds a token), and T(n) = t0 + a · n the time of a step that decides n
+rows, fitted by least squares to the engine's own steps (``StepTimeModel``). All three forget
+old data exponentially. Until both are measured it asks for the table's K. After ``reprobe_steps`` steps at K = 0 it asks
 one sequence (not the batch: at batch 32 on a CPU a whole-batch probe would cost a step five
 times as long) for the table's K, so the estimates stay current at a negligible price.
 """
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from specdecode.runtime.config import LoadControl
 
@@ -33,29 +35,32 @@ MIN_SAMPLES = 16.0  # decayed observations each estimate needs before it is trus
 
 
 class StepTimeModel:
-    """Seconds per engine step as ``t0 + t1 · tokens scored``, by exponentially weighted least squares."""
+    """Seconds per engine step as ``t0 + a · decided rows + b · other tokens``, by exponentially
+    weighted least squares. Decided rows (decode and verify positions, whose logits and sampling
+    are computed) cost far more than prefill tokens — on a CPU the LM head alone is ~1 ms per row
+    for SmolLM2 — so one slope fitted over both would price drafts at the cheap prefill rate."""
 
     def __init__(self) -> None:
-        self.w = self.wn = self.wnn = self.wt = self.wnt = 0.0
+        self.xx = torch.zeros(3, 3, dtype=torch.float64)  # Σ w · x xᵀ, x = (1, rows, other tokens)
+        self.xt = torch.zeros(3, dtype=torch.float64)  # Σ w · x · seconds
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = STEP_DECAY
-        self.w, self.wn, self.wnn, self.wt, self.wnt = (
-            d * self.w + 1.0, d * self.wn + tokens, d * self.wnn + tokens * tokens,
-            d * self.wt + seconds, d * self.wnt + tokens * seconds,
-        )
+    def observe(self, rows: int, other_tokens: int, seconds: float) -> None:
+        x = torch.tensor([1.0, rows, other_tokens], dtype=torch.float64)
+        self.xx.mul_(STEP_DECAY).add_(torch.outer(x, x))
+        self.xt.mul_(STEP_DECAY).add_(x, alpha=seconds)
 
-    def predict(self, tokens: float) -> float | None:
-        """Expected seconds; None until enough steps of different sizes were seen to fit a line."""
-        if self.w < MIN_SAMPLES:
+    def decode_line(self) -> tuple[float, float] | None:
+        """(t0, a): seconds of a step that scores n decided rows and nothing else is t0 + a · n.
+        None until enough steps were seen with different numbers of rows to fit a slope."""
+        w = self.xx[0, 0].item()
+        if w < MIN_SAMPLES:
             return None
-        mean_n, mean_t = self.wn / self.w, self.wt / self.w
-        var_n = self.wnn / self.w - mean_n**2
-        if var_n < 1.0:  # every step the same size: no slope to fit
+        mean_rows = self.xx[0, 1].item() / w
+        if self.xx[1, 1].item() / w - mean_rows**2 < 1.0:  # every step the same size: no slope
             return None
-        slope = max(0.0, (self.wnt / self.w - mean_n * mean_t) / var_n)
-        intercept = max(0.0, mean_t - slope * mean_n)
-        return intercept + slope * tokens
+        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6], dtype=torch.float64)) * w  # other tokens may all be 0
+        t0, a, _ = torch.linalg.solve(self.xx + ridge, self.xt).tolist()
+        return max(t0, 0.0), max(a, 0.0)
 
 
 class PositionStats:
@@ -131,18 +136,20 @@ class LoadController:
     def _goodput(self, batch_size: int, k_max: int) -> DraftBudget:
         """The K ≤ k_max with the most expected tokens per second (k_max while unmeasured; for one
         sequence when re-probing)."""
-        if not self.positions.known(k_max) or self.step_time.predict(batch_size) is None:
+        line = self.step_time.decode_line()
+        if line is None or not self.positions.known(k_max):
             return DraftBudget(k_max)
         if self.steps_without >= self.cfg.reprobe_steps:
             self.steps_without = 0
             return DraftBudget(k_max, sequences=1)
-        best_k, best_rate = 0, batch_size / max(self.step_time.predict(batch_size), 1e-9)
+        t0, a = line
+        best_k, best_rate = 0, batch_size / max(t0 + a * batch_size, 1e-9)
         gain = scored = 1.0
         for i in range(k_max):
             q = self.positions.delivery(i)
             gain += q * self.positions.acceptance(i)
             scored += q
-            rate = batch_size * gain / max(self.step_time.predict(batch_size * scored), 1e-9)
+            rate = batch_size * gain / max(t0 + a * batch_size * scored, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = i + 1, rate
         self.steps_without = self.steps_without + 1 if best_k == 0 else 0
@@ -153,8 +160,9 @@ class LoadController:
         for a, d in zip(asked, delivered):
             self.positions.proposed(a, d)
 
-    def observe_step(self, tokens_scored: int, seconds: float) -> None:
-        self.step_time.observe(tokens_scored, seconds)
+    def observe_step(self, rows: int, other_tokens: int, seconds: float) -> None:
+        """A step's wall time, its decided rows (decode, verify, a prefill's last position) and other tokens."""
+        self.step_time.observe(rows, other_tokens, seconds)
 
     def observe(self, draft_tokens: int, accepted: int) -> None:
         if draft_tokens:
