@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.runtime.models.attention import AttentionBatch, paged_attention
+from specdecode.runtime.models.linear import Linear, linear
 from specdecode.runtime.models.model_config import ModelConfig
 from specdecode.runtime.models.tensor_parallel import RowParallelLinear, TensorParallel
 
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         self.scale = cfg.head_dim**-0.5
 
@@ -83,7 +84,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
@@ -137,7 +138,7 @@ class DecoderLM(nn.Module):
         self.num_local_kv_heads = cfg.num_kv_heads // tp.size  # the KV heads this rank caches
         self.model = DecoderBody(cfg, tp)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -152,7 +153,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] fp32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors in (this rank's slice of each), filling the fused q/k/v and

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
+from specdecode.runtime.models.linear import Linear, linear
 from specdecode.runtime.models.model_config import ModelConfig
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
@@ -56,7 +55,7 @@ class TensorParallel:
         return tensor
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A bias-free linear over this rank's input columns, summed over the group."""
 
     def __init__(self, in_features_local: int, out_features: int, tp: TensorParallel):
@@ -64,7 +63,7 @@ class RowParallelLinear(nn.Linear):
         self.tp_size = tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out

@@ -1,0 +1,32 @@
+"""Linear layers that stay fast for the few-row batches decoding and verification produce.
+
+``F.linear(x, W)`` computes ``x @ Wᵀ``. With MKL on a CPU, for 2 to ~128 rows that call is up to
+2× slower than the same product computed as ``(W @ xᵀ)ᵀ`` — one GEMM either way, same weight
+memory, only the operand order differs (measured on the 2-core machine, torch 2.13 + MKL 2024.2:
+Qwen2.5-1.5B's LM head, 5 rows: 162 → 78 ms; its MLP up-projection, 5 rows: 6.8 → 4.5 ms; a
+Qwen 1.5B verify step of 5 tokens: 876 → 573 ms). Speculative verification lives in exactly
+that range (B·(K+1) rows), so it pays twice. One row (a GEMV) and long prefill chunks keep
+``F.linear``; other devices always do (cuBLAS picks its own kernel for either order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_BATCH_ROWS = 128  # above this, F.linear was as fast or faster on the CPU
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, in], weight: [out, in], bias: [out] → [T, out] (contiguous)."""
+    if x.device.type != "cpu" or x.dim() != 2 or not 1 < x.shape[0] <= SMALL_BATCH_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) computed by ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] → [T, out]
+        return linear(x, self.weight, self.bias)
