@@ -64,9 +64,9 @@ class LoadControl(Shared):
     reprobe_steps: int = Field(64, ge=1, description="steps spent off before speculation is probed again")
     goodput: bool = Field(
         False, description="each step, ask for the K (at most the table's) that maximises expected emitted tokens per "
-        "second: per-position acceptance and draft availability measured on this server, step time as a linear "
-        "function of scored tokens fitted to this machine's own steps; K = 0 where speculation does not pay, probed "
-        "again after reprobe_steps"
+        "second: per-position acceptance and draft availability measured on this server, step time fitted to this "
+        "machine's own steps (seconds per decided row and per other token); K = 0 where speculation does not pay, "
+        "then one sequence probes again every reprobe_steps steps"
     )
 
     @field_validator("batch_size_table")

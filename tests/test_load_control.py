@@ -125,4 +125,7 @@ def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engi
     engine = make_engine(model, tok, spec={"method": "ngram", "load_control": {"goodput": True}})
     assert run_all(engine, prompts, params) == plain
     lc = engine.load_control
-    assert lc.step_time.xx[0, 0] > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured
+    assert lc.step_time.xx[0][0] > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured
+    off = make_engine(model, tok, spec={"method": "ngram"})
+    assert run_all(off, prompts, params) == plain
+    assert off.load_control.step_time.xx[0][0] == 0 and off.load_control.positions.asked[0] == 0  # goodput off: no bookkeeping

@@ -27,7 +27,8 @@ PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "ass
 # Goodput rather than a fixed table: a table tuned on one machine (it was K=4 up to batch 4, K=2
 # up to 8, off above, floor 0.2, from the verify-step cost ratios this 2-core CPU showed) fits
 # neither another machine nor another prompt set — on ShareGPT "summarise" at concurrency 8 it
-# measured 0.72-0.97x of no-spec in single runs. Goodput fits the step cost and acceptance where it runs.
+# measured 0.72-0.97x of no-spec in single runs. Goodput fits the step cost and acceptance
+# where it runs.
 LOAD_CONTROL_ON = LoadControl(goodput=True)
 
 

@@ -172,6 +172,8 @@ class LLMEngine:
         if self.proposer is None or not running:
             return
         decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
+        if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
+            return
         budget = self.load_control.budget(len(running), len(decoding))
         caps = [self._draft_cap(s, budget.k) for s in decoding[: budget.sequences]]
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]

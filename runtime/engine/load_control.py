@@ -16,9 +16,10 @@ for B decoding sequences, where q_i is how often the proposer delivers a draft a
 when asked for one, c_i how often a delivered draft at position i is accepted (so q_i · c_i is
 the chance position i adds a token), and T(n) = t0 + a · n the time of a step that decides n
 rows, fitted by least squares to the engine's own steps (``StepTimeModel``). All three forget
-old data exponentially. Until both are measured it asks for the table's K. After ``reprobe_steps`` steps at K = 0 it asks
-one sequence (not the batch: at batch 32 on a CPU a whole-batch probe would cost a step five
-times as long) for the table's K, so the estimates stay current at a negligible price.
+old data exponentially; none is kept unless ``goodput`` is on. Until both are measured it asks
+for the table's K. After ``reprobe_steps`` steps at K = 0 it asks one sequence (not the batch:
+at batch 32 on a CPU a whole-batch probe would cost a step five times as long) for the table's
+K, so the estimates stay current at a negligible price.
 """
 from __future__ import annotations
 
@@ -41,25 +42,27 @@ class StepTimeModel:
     for SmolLM2 — so one slope fitted over both would price drafts at the cheap prefill rate."""
 
     def __init__(self) -> None:
-        self.xx = torch.zeros(3, 3, dtype=torch.float64)  # Σ w · x xᵀ, x = (1, rows, other tokens)
-        self.xt = torch.zeros(3, dtype=torch.float64)  # Σ w · x · seconds
+        self.xx = [[0.0] * 3 for _ in range(3)]  # Σ w · x xᵀ, x = (1, rows, other tokens)
+        self.xt = [0.0] * 3  # Σ w · x · seconds
 
     def observe(self, rows: int, other_tokens: int, seconds: float) -> None:
-        x = torch.tensor([1.0, rows, other_tokens], dtype=torch.float64)
-        self.xx.mul_(STEP_DECAY).add_(torch.outer(x, x))
-        self.xt.mul_(STEP_DECAY).add_(x, alpha=seconds)
+        x = (1.0, float(rows), float(other_tokens))
+        for i in range(3):
+            self.xt[i] = STEP_DECAY * self.xt[i] + x[i] * seconds
+            for j in range(3):
+                self.xx[i][j] = STEP_DECAY * self.xx[i][j] + x[i] * x[j]
 
     def decode_line(self) -> tuple[float, float] | None:
         """(t0, a): seconds of a step that scores n decided rows and nothing else is t0 + a · n.
         None until enough steps were seen with different numbers of rows to fit a slope."""
-        w = self.xx[0, 0].item()
+        w = self.xx[0][0]
         if w < MIN_SAMPLES:
             return None
-        mean_rows = self.xx[0, 1].item() / w
-        if self.xx[1, 1].item() / w - mean_rows**2 < 1.0:  # every step the same size: no slope
+        if self.xx[1][1] / w - (self.xx[0][1] / w) ** 2 < 1.0:  # every step the same size: no slope
             return None
         ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6], dtype=torch.float64)) * w  # other tokens may all be 0
-        t0, a, _ = torch.linalg.solve(self.xx + ridge, self.xt).tolist()
+        xx, xt = torch.tensor(self.xx, dtype=torch.float64), torch.tensor(self.xt, dtype=torch.float64)
+        t0, a, _ = torch.linalg.solve(xx + ridge, xt).tolist()
         return max(t0, 0.0), max(a, 0.0)
 
 
@@ -157,15 +160,18 @@ class LoadController:
 
     def observe_proposal(self, asked: list[int], delivered: list[int]) -> None:
         """Drafts asked for and delivered, per sequence, this step."""
+        if not self.cfg.goodput:
+            return
         for a, d in zip(asked, delivered):
             self.positions.proposed(a, d)
 
     def observe_step(self, rows: int, other_tokens: int, seconds: float) -> None:
         """A step's wall time, its decided rows (decode, verify, a prefill's last position) and other tokens."""
-        self.step_time.observe(rows, other_tokens, seconds)
+        if self.cfg.goodput:
+            self.step_time.observe(rows, other_tokens, seconds)
 
     def observe(self, draft_tokens: int, accepted: int) -> None:
-        if draft_tokens:
+        if draft_tokens and self.cfg.goodput:
             self.positions.verified(draft_tokens, accepted)
         if draft_tokens == 0 or self.cfg.acceptance_floor == 0.0:
             return
