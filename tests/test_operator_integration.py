@@ -346,8 +346,9 @@ def test_an_httproute_moves_traffic_by_step_weight(cluster: Cluster, stand_ins: 
     canary = start_canary(cluster)
     stand_ins.append(runtime := RuntimeStandIn(acceptance=0.8))
     cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
-    wait_for(lambda: weights() == {"smollm2-ngram-stable": 50, "smollm2-ngram-canary": 50}, "half to the canary")
-    assert cluster.status("smollm2-ngram")["rollout"]["canaryWeight"] == 50
+    # The route is patched before the status in one reconciliation: wait for both.
+    wait_for(lambda: weights() == {"smollm2-ngram-stable": 50, "smollm2-ngram-canary": 50}
+             and cluster.status("smollm2-ngram")["rollout"]["canaryWeight"] == 50, "half to the canary")
     assert (selects("smollm2-ngram-stable"), selects("smollm2-ngram-canary")) == (stable, canary)
 
     wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
