@@ -12,7 +12,7 @@ from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, build_systems
 
 def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
     out_dir = tmp_path / "results"
-    argv = ["--model", str(tiny_hf_model_dir), "--num-prompts", "2", "--max-tokens", "4", "--runs", "1",
+    argv = ["--model", str(tiny_hf_model_dir), "--num-prompts", "2", "--max-tokens", "4", "--runs", "2",
             "--threads", "1", "--busy-retries", "0", "--quiet-wait", "0", "--output-dir", str(out_dir)]
     assert command.main(argv) == 0
 
@@ -28,12 +28,37 @@ def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
     assert data["machine"]["threads"] == 1
     ours, peer = data["systems"][NOSPEC], data["systems"][PEER_PLAIN]
     assert ours["prompt_token_ids"] == peer["prompt_token_ids"]
-    for system in (ours, peer):
+    for system in (ours, peer):  # two rounds: each system ran twice, a warm-up and c = 1, 8 each time
+        assert [(r["round"], r["concurrency"], r["warmup"]) for r in system["runs"]] == [
+            (n, c, w) for n in (1, 2) for c in (1, 8) for w in (True, False)]
         timed = [r for r in system["runs"] if not r["warmup"]]
-        assert sorted(r["concurrency"] for r in timed) == [1, 8]
         assert all(len(o) == 4 for r in timed for o in r["outputs"])
     assert [r["system"] for r in data["summary"]] == [NOSPEC, PEER_PLAIN] * 2
     assert data["truncation"]["keep_tokens"] == 2048 - 4 and data["truncation"]["note"].startswith("0 of 2")
+
+
+def _rounds(name: str, tokens_per_s: list[float]) -> SystemResult:
+    """One result per round (as each round's subprocess returns it), merged as ``command`` does."""
+    timing = RequestTiming(0.1, 0.01, 0.2, 3)
+    per_round = [SystemResult(name, {}, 1, 0.0, [[1]], [RunResult(1, False, 6 / t, 6, [timing] * 2, [[5]] * 2)])
+                 for t in tokens_per_s]
+    return command.merge_rounds(per_round)
+
+
+def test_rounds_interleave_systems_and_speedups_pair_within_a_round():
+    systems = build_systems(["ngram"], 2, None, [1])
+    assert [s.name for s in command.round_order(systems, 1)][0] == NOSPEC
+    assert [s.name for s in command.round_order(systems, 2)][-1] == NOSPEC
+    assert command.round_order(systems, len(systems) + 1) == systems
+
+    # The machine slows down 2x in round 2 and 3x in round 3; ngram is 1.5x nospec within each round.
+    nospec, ngram = _rounds(NOSPEC, [10.0, 5.0, 20 / 6]), _rounds("ours-ngram", [15.0, 7.5, 5.0])
+    assert [r.round for r in ngram.runs] == [1, 2, 3]
+    assert report.paired_ratio(ngram, nospec, 1) == pytest.approx(1.5)
+    assert report.paired_ratio(ngram, nospec, 8) is None
+    # Without nospec's round 2 a ratio of medians would read 7.5 / 6.67 = 1.125; paired, it stays 1.5.
+    nospec.runs[1].discarded = True
+    assert report.paired_ratio(ngram, nospec, 1) == pytest.approx(1.5)
 
 
 def test_prompt_sets(tmp_path):

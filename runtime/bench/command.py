@@ -1,6 +1,6 @@
 """``specdecode bench``: run our engine (without and with speculation), then transformers, each
-system in its own subprocess (``systems.py``); check that their outputs agree, print a table,
-write JSON and plots under ``--output-dir``.
+system in its own subprocess (``systems.py``), round by round (every system once per timed run);
+check that their outputs agree, print a table, write JSON and plots under ``--output-dir``.
 
 Exit status: 0 when every output check passes, 1 when one fails, 2 when a system fails to run or
 its data or model is not installed.
@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K for every method and peer")
     parser.add_argument("--draft-model", default=None, help="draft: alias, GGUF file or HF folder (e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight")
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per concurrency, after one warm-up")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="rounds: each runs every system once (a warm-up, then one timed run per concurrency); "
+                             "speedups are the median over rounds of the ratio within a round")
     parser.add_argument("--busy-retries", type=int, default=3,
                         help="repeat a timed run disturbed by other processes (> %.2f cores) up to this many times" % BUSY_CORES)
     parser.add_argument("--quiet-wait", type=float, default=120.0,
@@ -130,19 +132,40 @@ def _default_threads() -> int:
 
 
 def _run_systems(systems: list[System], base: Job) -> dict[str, SystemResult]:
-    """In order; ``ours-nospec`` tokenizes first and every later system gets its token ids;
-    ``transformers-plain`` (last) gets every other system's concurrency-1 outputs to tie-check."""
-    results: dict[str, SystemResult] = {}
+    """``base.runs`` rounds; each round runs every system once, in a subprocess of its own (its
+    warm-up, then one timed run per concurrency), so a drift in the machine's speed over the
+    minutes a benchmark takes hits every system alike rather than whichever ran last; ratios are
+    then taken within a round (``report.paired_ratio``). Round 1 runs in the plan's order:
+    ``ours-nospec`` tokenizes first and every later system gets its token ids, and
+    ``transformers-plain`` (last) gets every other system's concurrency-1 outputs to tie-check.
+    Later rounds rotate that order, so no system always runs right after the same one."""
+    rounds: dict[str, list[SystemResult]] = {s.name: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="specdecode-bench-") as tmp:
-        for system in systems:
-            job = replace(
-                base, system=system.name, concurrency=list(system.concurrency), speculative=system.speculative,
-                peer_mode=system.peer_mode,
-                prompt_token_ids=results[NOSPEC].prompt_token_ids if NOSPEC in results else None,
-                tie_check_outputs=_single_outputs(results) if system.name == PEER_PLAIN else None,
-            )
-            results[system.name] = _run_subprocess(system.runner, job, Path(tmp))
-    return results
+        for number in range(1, base.runs + 1):
+            for system in round_order(systems, number):
+                first = {name: results[0] for name, results in rounds.items() if results}
+                job = replace(
+                    base, system=system.name, concurrency=list(system.concurrency), runs=1,
+                    speculative=system.speculative, peer_mode=system.peer_mode,
+                    prompt_token_ids=first[NOSPEC].prompt_token_ids if NOSPEC in first else None,
+                    tie_check_outputs=_single_outputs(first) if system.name == PEER_PLAIN and number == 1 else None,
+                )
+                print(f"bench: round {number}/{base.runs}, {system.name}", file=sys.stderr, flush=True)
+                rounds[system.name].append(_run_subprocess(system.runner, job, Path(tmp) / f"round{number}"))
+    return {name: merge_rounds(results) for name, results in rounds.items()}
+
+
+def round_order(systems: list[System], number: int) -> list[System]:
+    """Round 1: the plan's order; round r: rotated left by r − 1."""
+    shift = (number - 1) % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
+def merge_rounds(results: list[SystemResult]) -> SystemResult:
+    """One system's per-round results as one: runs tagged with their round, in round order;
+    load time, token ids and truncation from round 1; tie checks from every round."""
+    runs = [replace(run, round=number) for number, result in enumerate(results, 1) for run in result.runs]
+    return replace(results[0], runs=runs, tie_checks=[t for r in results for t in r.tie_checks])
 
 
 def _single_outputs(results: dict[str, SystemResult]) -> dict[str, list[list[int]]]:
@@ -151,6 +174,7 @@ def _single_outputs(results: dict[str, SystemResult]) -> dict[str, list[list[int
 
 def _run_subprocess(module: str, job: Job, tmp: Path) -> SystemResult:
     """One system in a fresh interpreter, so only one model is in memory at a time."""
+    tmp.mkdir(exist_ok=True)
     job_path, out_path = tmp / f"{job.system}-job.json", tmp / f"{job.system}-result.json"
     write_json(job_path, asdict(job))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -204,9 +228,11 @@ def _write_outputs(
                             "greedy, KV cache on, eos_token_id=None; prompt-lookup and assisted at c=1 only "
                             "(transformers supports batch size 1 only there), same K, constant schedule",
             "tokens_per_s": "generated tokens / wall time of the run (prefill included)",
-            "statistics": f"one warm-up run, then median over {job.runs} timed runs of each run's p50; a timed run "
-                          f"during which other processes used > {BUSY_CORES} cores is discarded and repeated "
-                          f"(up to {job.busy_retries} times)",
+            "statistics": f"{job.runs} rounds, each running every system once (a fresh subprocess: one warm-up "
+                          f"run, then one timed run per concurrency); absolute figures are the median over rounds of "
+                          f"each run's p50, speedups the median over rounds of the ratio of tokens/s within the "
+                          f"round; a timed run during which other processes used > {BUSY_CORES} cores is "
+                          f"discarded and repeated (up to {job.busy_retries} times)",
             "acceptance": acceptance.__doc__.strip(),
             "load_control_on": LOAD_CONTROL_ON.model_dump(mode="json"),
         },

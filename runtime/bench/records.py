@@ -24,7 +24,7 @@ class Job:
     threads: int
     max_tokens: int
     concurrency: list[int]
-    runs: int  # timed runs per concurrency, after one warm-up
+    runs: int  # timed runs per concurrency after one warm-up (the whole benchmark: rounds; a round: 1)
     busy_retries: int  # a timed run disturbed by other processes is repeated up to this many times
     quiet_wait_s: float  # before a timed run, wait up to this long for the machine to go quiet
     prompts: list[Messages]
@@ -66,6 +66,7 @@ class RunResult:
     competing_cpu_cores: float | None = None  # cores other processes kept busy meanwhile (schedule.py)
     discarded: bool = False  # too much competing CPU: repeated, kept for the record, not reported
     spec: SpecCounts | None = None  # ours with speculation: the engine's counters over this run
+    round: int = 1  # the benchmark round this run belongs to (command.py interleaves systems by round)
 
     @property
     def tokens_per_s(self) -> float:

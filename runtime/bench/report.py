@@ -1,11 +1,14 @@
 """Present one benchmark run: medians, speedups, acceptance, the table and the throughput plot.
 
 Terms: a *run* is one pass over the prompt set at one concurrency; each system has one warm-up
-run (not reported) then ``--runs`` timed runs per concurrency. Per timed run we take tokens/s
-(generated tokens / wall time) and the p50 over requests of TTFT, ITL and e2e; the table shows
-the median of those over the timed runs. *vs ours-nospec* = tokens/s ÷ ours-nospec's, *vs
-transformers* = tokens/s ÷ the transformers system doing the same thing (``System.peer``), both
-at the same concurrency. Acceptance is pooled over the timed runs (``acceptance.py``).
+run (not reported) then one timed run per concurrency in each of ``--runs`` *rounds* (every
+system runs once per round, ``command.py``). Per timed run we take tokens/s (generated tokens /
+wall time) and the p50 over requests of TTFT, ITL and e2e; the table shows the median of those
+over the rounds. *vs ours-nospec* = tokens/s ÷ ours-nospec's, *vs transformers* = tokens/s ÷ the
+transformers system doing the same thing (``System.peer``), both at the same concurrency and
+taken within each round, then the median over rounds (``paired_ratio``): the machine's speed
+drifts between rounds more than the ratios we judge. Acceptance is pooled over the timed runs
+(``acceptance.py``).
 """
 from __future__ import annotations
 
@@ -59,15 +62,22 @@ def build_summaries(systems: list[System], results: dict[str, SystemResult], cor
     """Rows by concurrency, then in the systems' order; ratios at the same concurrency."""
     rows = [summarize(results[s.name], c) for c in sorted({c for s in systems for c in s.concurrency})
             for s in systems if c in s.concurrency and results[s.name].timed(c)]
-    speed = {(r.system, r.concurrency): r.tokens_per_s for r in rows}
     peer_of = {s.name: s.peer for s in systems}
     for r in rows:
         r.check = correctness.label(r.system, r.concurrency)
-        if r.system != NOSPEC and (NOSPEC, r.concurrency) in speed:
-            r.vs_nospec = r.tokens_per_s / speed[(NOSPEC, r.concurrency)]
-        if (peer_of.get(r.system), r.concurrency) in speed:
-            r.vs_peer = r.tokens_per_s / speed[(peer_of[r.system], r.concurrency)]
+        if r.system != NOSPEC and NOSPEC in results:
+            r.vs_nospec = paired_ratio(results[r.system], results[NOSPEC], r.concurrency)
+        if peer_of.get(r.system) in results:
+            r.vs_peer = paired_ratio(results[r.system], results[peer_of[r.system]], r.concurrency)
     return rows
+
+
+def paired_ratio(system: SystemResult, baseline: SystemResult, concurrency: int) -> float | None:
+    """Median over rounds of ``system``'s tokens/s ÷ ``baseline``'s in the same round; None where
+    they share no round at this concurrency."""
+    base = {r.round: r.tokens_per_s for r in baseline.timed(concurrency)}
+    ratios = [r.tokens_per_s / base[r.round] for r in system.timed(concurrency) if r.round in base]
+    return statistics.median(ratios) if ratios else None
 
 
 def format_table(rows: list[Summary], k: int) -> str:
