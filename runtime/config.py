@@ -64,9 +64,9 @@ class LoadControl(Shared):
     reprobe_steps: int = Field(64, ge=1, description="steps spent off before speculation is probed again")
     goodput: bool = Field(
         False, description="each step, ask for the K (at most the table's) that maximises expected emitted tokens per "
-        "second: per-position acceptance and draft availability measured on this server, step time fitted to this "
-        "machine's own steps (seconds per decided row and per other token); K = 0 where speculation does not pay, "
-        "then one sequence probes again every reprobe_steps steps"
+        "second: per-position acceptance and draft availability measured on this server, and the measured seconds "
+        "per sequence of this machine's decode steps at each K and batch size; K = 0 where speculation does not pay, "
+        "then the best K > 0 is probed every reprobe_steps steps, the interval doubling while K = 0 keeps winning"
     )
 
     @field_validator("batch_size_table")

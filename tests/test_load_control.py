@@ -1,15 +1,15 @@
 """Load control: the batch-size → K table and the acceptance floor that turns speculation off
 and probes it again later — unit level and inside the engine."""
 from specdecode.runtime.config import BatchSizeRule, LoadControl
-from specdecode.runtime.engine.load_control import DraftBudget, LoadController, StepTimeModel
+from specdecode.runtime.engine.load_control import LoadController, StepCosts
 from specdecode.runtime.engine.sequence import SamplingParams
 
 
 def test_batch_size_table_picks_k_and_turns_off_past_the_last_rule():
     table = (BatchSizeRule(max_batch_size=4, num_speculative_tokens=5), BatchSizeRule(max_batch_size=16, num_speculative_tokens=2))
     lc = LoadController(LoadControl(batch_size_table=table), num_speculative_tokens=4)
-    assert [lc.budget(b, b).k for b in (1, 4, 5, 16, 17)] == [4, 4, 2, 2, 0]
-    assert LoadController(LoadControl(), 3).budget(1000, 1000).k == 3
+    assert [lc.budget(b, b) for b in (1, 4, 5, 16, 17)] == [4, 4, 2, 2, 0]
+    assert LoadController(LoadControl(), 3).budget(1000, 1000) == 3
 
 
 def test_acceptance_floor_switches_off_then_reprobes():
@@ -17,12 +17,12 @@ def test_acceptance_floor_switches_off_then_reprobes():
     lc = LoadController(cfg, num_speculative_tokens=4)
     lc.observe(4, 3)
     lc.observe(4, 3)  # 6/8 accepted: stays on
-    assert lc.enabled and lc.budget(1, 1).k == 4
+    assert lc.enabled and lc.budget(1, 1) == 4
     lc.observe(4, 0)
     lc.observe(4, 0)  # window now 3/8 < 0.5: off
     assert not lc.enabled
-    assert [lc.budget(1, 1).k for _ in range(3)] == [0, 0, 0]
-    assert lc.enabled and lc.budget(1, 1).k == 4  # probed again with a fresh window
+    assert [lc.budget(1, 1) for _ in range(3)] == [0, 0, 0]
+    assert lc.enabled and lc.budget(1, 1) == 4  # probed again with a fresh window
 
 
 def test_engine_turns_speculation_off_under_a_floor_and_back_on(sharp, make_engine):
@@ -60,61 +60,76 @@ def test_batch_table_applies_inside_the_engine(sharp, make_engine, run_all):
 # -- goodput: K from measured acceptance and this machine's step times ---------------------------
 
 
-def goodput_controller(t0: float, per_token: float, accepted: list[int], reprobe_steps: int = 5):
-    """A goodput controller (K ≤ 4) that has seen steps costing ``t0 + per_token · n`` and, for
-    sequences asked for and given 4 drafts, verifications accepting ``accepted`` (a pattern
-    repeated so that no order skews the decayed estimates)."""
+def goodput_controller(step_cost: list[float], accepted: list[int], reprobe_steps: int = 5, batch: int = 8):
+    """A goodput controller (K ≤ 4) that has measured, at this batch size, decode steps costing
+    ``step_cost[k]`` seconds per sequence at K = k and, for sequences asked for and given 4
+    drafts, verifications accepting ``accepted`` (a pattern repeated so that no order skews the
+    decayed estimates)."""
     lc = LoadController(LoadControl(goodput=True, reprobe_steps=reprobe_steps), num_speculative_tokens=4)
-    for n in range(1, 64):
-        lc.observe_step(n, 0, t0 + per_token * n)
     for _ in range(200 // len(accepted)):
         for m in accepted:
             lc.observe_proposal([4], [4])
             lc.observe(4, m)
+    for _ in range(5):
+        for k, cost in enumerate(step_cost):
+            lc.costs.observe(batch, k, cost * batch)
     return lc
 
 
-def test_the_step_time_model_fits_a_line_once_sizes_vary():
-    model = StepTimeModel()
-    for _ in range(40):
-        model.observe(8, 0, 0.066)
-    assert model.decode_line() is None  # one size only: no slope
-    for n in range(1, 40):
-        model.observe(n, 0, 0.05 + 0.002 * n)
-    t0, a = model.decode_line()
-    assert abs(t0 - 0.05) < 0.002 and abs(a - 0.002) < 0.0002
+def test_step_costs_are_per_sequence_by_batch_bucket_and_k():
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(8, 4, 0.8)
+    assert costs.per_sequence(8, 4) is None  # too few steps yet (decayed weight 2.71 < 3)
+    costs.observe(12, 4, 1.2)  # same bucket (8-15), same cost per sequence
+    assert abs(costs.per_sequence(9, 4) - 0.1) < 1e-12
+    assert costs.per_sequence(8, 2) is None and costs.per_sequence(16, 4) is None
 
 
-def test_the_step_time_model_prices_decided_rows_apart_from_prefill_tokens():
-    """Prefill tokens are cheap per token (big matmuls, no LM head): a single slope over all
-    tokens would price a draft at that rate and over-rate speculation."""
-    model = StepTimeModel()
-    for n in range(1, 41):
-        model.observe(n, 0, 0.05 + 0.004 * n)  # decode and verify steps
-        model.observe(1, 511, 0.05 + 0.004 + 0.001 * 511)  # a prefill chunk of 512, its last row decided
-    t0, a = model.decode_line()
-    assert abs(t0 - 0.05) < 0.002 and abs(a - 0.004) < 0.0002
+def test_goodput_explores_each_k_then_measures_only_decode_steps():
+    lc = LoadController(LoadControl(goodput=True), num_speculative_tokens=2)
+    for _ in range(4):  # the largest K first (acceptance is measured there), until its cost is too
+        assert lc.budget(8, 8) == 2
+        lc.observe_proposal([2] * 8, [2] * 8)
+        lc.observe(2, 2)
+        lc.observe_step(0, 0.8)
+    assert lc.budget(8, 8) == 1  # then each unmeasured K, largest first
+    lc.observe_step(512, 5.0)  # a step with a prefill chunk: not a decode step's cost
+    assert lc.costs.per_sequence(8, 1) is None
+    for _ in range(4):  # the decayed weight reaches MIN_STEPS = 3 on the 4th step
+        assert lc.budget(8, 8) == 1
+        lc.observe_step(0, 0.6)
+    for _ in range(4):
+        assert lc.budget(8, 8) == 0
+        lc.observe_step(0, 0.4)
+    assert lc.budget(8, 8) == 2  # every draft accepted: 3 tokens for 0.1 s beats 2 / 0.075 and 1 / 0.05
 
 
 def test_goodput_turns_speculation_off_where_scoring_costs_and_acceptance_is_low():
-    cpu_low = goodput_controller(0.05, 0.01, [0, 0, 1, 0, 2])  # c = 0.4, 0.2, 0, 0
-    assert cpu_low.budget(8, 8).k == 0 and not cpu_low.enabled
-    gpu_low = goodput_controller(0.05, 0.00001, [0, 0, 1, 0, 2])  # scoring is free: drafts cost nothing
-    assert gpu_low.budget(8, 8).k >= 2 and gpu_low.enabled
+    cpu_low = goodput_controller([0.05, 0.075, 0.085, 0.09, 0.1], [0, 0, 1, 0, 2])  # c = 0.4, 0.2, 0, 0
+    assert cpu_low.budget(8, 8) == 0 and not cpu_low.enabled
+    gpu_low = goodput_controller([0.05, 0.0501, 0.0502, 0.0503, 0.0504], [0, 0, 1, 0, 2])  # scoring is ~free
+    assert gpu_low.budget(8, 8) >= 2 and gpu_low.enabled
 
 
-def test_goodput_stops_where_later_positions_stop_paying():
-    lc = goodput_controller(0.05, 0.005, [0, 1, *[2] * 14, 3, 4])  # c = 0.9, 0.8, 0.1, 0.05
-    assert lc.budget(1, 1).k == 2  # 2.7 tokens / 65 ms beats 2.85 / 75 ms and 1.9 / 60 ms
+def test_goodput_prices_each_k_from_its_own_steps_not_a_line():
+    """On a CPU K = 1 costs most of what K = 4 does: with acceptance that pays at K = 4 but not
+    at K = 1 a line through K = 0 and K = 4 would pick K = 1; the measured costs do not."""
+    lc = goodput_controller([0.05, 0.075, 0.085, 0.09, 0.1], [0, 1, 2, 3, 4, 4, 4, 4])  # c = 0.88, 0.86, 0.83, 0.8
+    assert lc.budget(8, 8) == 4
+    stops = goodput_controller([0.05, 0.06, 0.07, 0.08, 0.09], [0, 1, *[2] * 14, 3, 4])  # c = 0.9, 0.8, 0.1, 0.05
+    assert stops.budget(8, 8) == 2  # 2.7 tokens / 70 ms beats 2.85 / 80 ms and 1.9 / 60 ms
 
 
-def test_goodput_probes_again_after_reprobe_steps_and_never_exceeds_the_table():
-    lc = goodput_controller(0.05, 0.01, [0], reprobe_steps=3)
-    assert [lc.budget(8, 8) for _ in range(4)] == [DraftBudget(0)] * 3 + [DraftBudget(4, sequences=1)]
-    assert lc.enabled  # the probe step: one sequence drafts, the batch's step barely grows
+def test_goodput_probes_the_best_k_with_a_growing_interval_and_never_exceeds_the_table():
+    lc = goodput_controller([0.05, 0.075, 0.085, 0.09, 0.1], [0], reprobe_steps=3)
+    assert [lc.budget(8, 8) for _ in range(3)] == [0, 0, 0] and not lc.enabled
+    probe = lc.budget(8, 8)
+    assert probe > 0 and lc.enabled  # the best K > 0, so its cost and the acceptance stay current
+    assert [lc.budget(8, 8) for _ in range(7)] == [0] * 6 + [probe]  # K = 0 confirmed: the interval doubled
     table = (BatchSizeRule(max_batch_size=64, num_speculative_tokens=1),)
     capped = LoadController(LoadControl(goodput=True, batch_size_table=table), num_speculative_tokens=4)
-    assert capped.budget(8, 8).k == 1  # unmeasured: the table's K
+    assert capped.budget(8, 8) == 1  # unmeasured: the table's K
 
 
 def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engine, run_all):
@@ -125,7 +140,7 @@ def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engi
     engine = make_engine(model, tok, spec={"method": "ngram", "load_control": {"goodput": True}})
     assert run_all(engine, prompts, params) == plain
     lc = engine.load_control
-    assert lc.step_time.xx[0][0] > 0 and lc.positions.asked[0] > 0  # steps and proposals were measured
+    assert lc.costs.weight and lc.positions.asked[0] > 0  # steps and proposals were measured
     off = make_engine(model, tok, spec={"method": "ngram"})
     assert run_all(off, prompts, params) == plain
-    assert off.load_control.step_time.xx[0][0] == 0 and off.load_control.positions.asked[0] == 0  # goodput off: no bookkeeping
+    assert not off.load_control.costs.weight and off.load_control.positions.asked[0] == 0  # goodput off: no bookkeeping

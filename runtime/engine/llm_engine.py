@@ -162,8 +162,7 @@ class LLMEngine:
             item.seq.draft_token_ids, item.seq.draft_probs = [], None
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
-        rows = len(logits)
-        self.load_control.observe_step(rows, sum(item.num_tokens for item in scheduled) - rows, time.perf_counter() - started)
+        self.load_control.observe_step(sum(item.num_tokens for item in scheduled) - len(logits), time.perf_counter() - started)
         return self._collect_outputs()
 
     def _propose(self) -> None:
@@ -174,8 +173,8 @@ class LLMEngine:
         decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
         if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
             return
-        budget = self.load_control.budget(len(running), len(decoding))
-        caps = [self._draft_cap(s, budget.k) for s in decoding[: budget.sequences]]
+        k = self.load_control.budget(len(running), len(decoding))
+        caps = [self._draft_cap(s, k) for s in decoding]
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
         if not chosen:
             return

@@ -7,63 +7,57 @@ steps, then is probed again with a fresh window.
 
 ``goodput`` replaces guesses with this server's own measurements. Whether speculation pays
 depends on the hardware as much as on acceptance: on a GPU, scoring 5 tokens per sequence
-costs about what scoring 1 does; on a CPU it costs nearly 5 times as much once the batch is a
-few sequences. So each step picks the K (up to the table's) that maximises
+costs about what scoring 1 does; on a CPU it costs up to twice as much, and not in proportion to
+the rows (SmolLM2 at batch 8 on a 2-core CPU: K = 1 costs ~1.5× a plain decode step, K = 4
+~2×), so no straight line through step times predicts the cost of a K it has not seen. Each
+step therefore picks the K (up to the table's) that maximises
 
-    expected tokens emitted per second = B · (1 + Σ_{i≤K} q_i · c_i) / T(B · (1 + Σ_{i≤K} q_i))
+    expected tokens emitted per second = (1 + Σ_{i≤K} q_i · c_i) / s(B, K)
 
-for B decoding sequences, where q_i is how often the proposer delivers a draft at position i
-when asked for one, c_i how often a delivered draft at position i is accepted (so q_i · c_i is
-the chance position i adds a token), and T(n) = t0 + a · n the time of a step that decides n
-rows, fitted by least squares to the engine's own steps (``StepTimeModel``). All three forget
-old data exponentially; none is kept unless ``goodput`` is on. Until both are measured it asks
-for the table's K. After ``reprobe_steps`` steps at K = 0 it asks one sequence (not the batch:
-at batch 32 on a CPU a whole-batch probe would cost a step five times as long) for the table's
-K, so the estimates stay current at a negligible price.
+where q_i is how often the proposer delivers a draft at position i when asked for one, c_i how
+often a delivered draft at position i is accepted (so q_i · c_i is the chance position i adds a
+token), and s(B, K) the measured seconds per sequence of decode-only steps that asked K drafts
+of each of B sequences (``StepCosts``; batch sizes in power-of-two buckets; the proposer's own
+time included). An unmeasured K is tried first (a few steps each). All estimates forget old
+data exponentially; none is kept unless ``goodput`` is on. While K = 0 wins, every
+``reprobe_steps`` steps one step asks for the best K > 0 instead, so its cost and the acceptance
+estimates stay current; each probe that confirms K = 0 doubles the interval (up to
+``MAX_BACKOFF`` times), so a probe's extra cost vanishes where speculation does not pay.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-
-import torch
 
 from specdecode.runtime.config import LoadControl
 
 SEQUENCE_DECAY = 0.995  # weight an old draft observation keeps per new one (about the last 200 sequences)
-STEP_DECAY = 0.98  # weight an old step keeps per new one (about the last 50 steps)
-MIN_SAMPLES = 16.0  # decayed observations each estimate needs before it is trusted
+STEP_DECAY = 0.9  # weight an old step keeps per new step of the same (batch bucket, K): about the last 10
+MIN_SAMPLES = 16.0  # decayed draft observations the acceptance estimates need before they are trusted
+MIN_STEPS = 3.0  # decayed steps a (batch bucket, K) cost needs before it is trusted
+MAX_BACKOFF = 16  # the probe interval grows up to this many times reprobe_steps
 
 
-class StepTimeModel:
-    """Seconds per engine step as ``t0 + a · decided rows + b · other tokens``, by exponentially
-    weighted least squares. Decided rows (decode and verify positions, whose logits and sampling
-    are computed) cost far more than prefill tokens — on a CPU the LM head alone is ~1 ms per row
-    for SmolLM2 — so one slope fitted over both would price drafts at the cheap prefill rate."""
+def batch_bucket(batch_size: int) -> int:
+    """1 | 2-3 | 4-7 | 8-15 | …: a step's cost per sequence changes little inside a bucket."""
+    return batch_size.bit_length()
+
+
+class StepCosts:
+    """Seconds per decoding sequence of decode-only steps, by (batch bucket, K asked)."""
 
     def __init__(self) -> None:
-        self.xx = [[0.0] * 3 for _ in range(3)]  # Σ w · x xᵀ, x = (1, rows, other tokens)
-        self.xt = [0.0] * 3  # Σ w · x · seconds
+        self.weight: dict[tuple[int, int], float] = {}
+        self.seconds: dict[tuple[int, int], float] = {}
 
-    def observe(self, rows: int, other_tokens: int, seconds: float) -> None:
-        x = (1.0, float(rows), float(other_tokens))
-        for i in range(3):
-            self.xt[i] = STEP_DECAY * self.xt[i] + x[i] * seconds
-            for j in range(3):
-                self.xx[i][j] = STEP_DECAY * self.xx[i][j] + x[i] * x[j]
+    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch_size), k)
+        self.weight[key] = STEP_DECAY * self.weight.get(key, 0.0) + 1.0
+        self.seconds[key] = STEP_DECAY * self.seconds.get(key, 0.0) + seconds / batch_size
 
-    def decode_line(self) -> tuple[float, float] | None:
-        """(t0, a): seconds of a step that scores n decided rows and nothing else is t0 + a · n.
-        None until enough steps were seen with different numbers of rows to fit a slope."""
-        w = self.xx[0][0]
-        if w < MIN_SAMPLES:
-            return None
-        if self.xx[1][1] / w - (self.xx[0][1] / w) ** 2 < 1.0:  # every step the same size: no slope
-            return None
-        ridge = torch.diag(torch.tensor([0.0, 1e-6, 1e-6], dtype=torch.float64)) * w  # other tokens may all be 0
-        xx, xt = torch.tensor(self.xx, dtype=torch.float64), torch.tensor(self.xt, dtype=torch.float64)
-        t0, a, _ = torch.linalg.solve(xx + ridge, xt).tolist()
-        return max(t0, 0.0), max(a, 0.0)
+    def per_sequence(self, batch_size: int, k: int) -> float | None:
+        """None until ``MIN_STEPS`` steps of this bucket asked for K."""
+        key = (batch_bucket(batch_size), k)
+        return self.seconds[key] / self.weight[key] if self.weight.get(key, 0.0) >= MIN_STEPS else None
 
 
 class PositionStats:
@@ -95,14 +89,6 @@ class PositionStats:
         return self.accepted[i] / self.drafted[i] if self.drafted[i] else 0.0
 
 
-@dataclass(frozen=True)
-class DraftBudget:
-    """This step's drafts: up to ``k`` per sequence, for the first ``sequences`` decoding ones (None: all)."""
-
-    k: int
-    sequences: int | None = None
-
-
 class LoadController:
     def __init__(self, cfg: LoadControl, num_speculative_tokens: int):
         self.cfg = cfg
@@ -111,24 +97,29 @@ class LoadController:
         self.window_drafts = 0
         self.window_accepted = 0
         self.off_steps_left = 0
-        self.step_time = StepTimeModel()
+        self.costs = StepCosts()
         self.positions = PositionStats(num_speculative_tokens)
         self.steps_without = 0  # goodput: steps in a row it chose K = 0 where the table allowed more
+        self.backoff = 1  # goodput: the probe interval is backoff × reprobe_steps
+        self.decided: tuple[int, int] | None = None  # goodput: (batch size, K) of this step, for its cost
 
     @property
     def enabled(self) -> bool:
         """False while the acceptance floor or goodput holds speculation off (not for the table)."""
         return self.off_steps_left == 0 and self.steps_without == 0
 
-    def budget(self, running: int, decoding: int) -> DraftBudget:
-        """The table picks K by the ``running`` batch size; goodput weighs the ``decoding`` sequences."""
+    def budget(self, running: int, decoding: int) -> int:
+        """Drafts per decoding sequence this step: the table picks K by the ``running`` batch size;
+        goodput weighs the ``decoding`` sequences."""
+        self.decided = None
         if self.off_steps_left > 0:
             self.off_steps_left -= 1
-            return DraftBudget(0)
+            return 0
         k = self._table_k(running)
         if self.cfg.goodput and k > 0:
-            return self._goodput(decoding, k)
-        return DraftBudget(k)
+            k = self._goodput(decoding, k)
+            self.decided = (decoding, k)
+        return k
 
     def _table_k(self, batch_size: int) -> int:
         for rule in self.cfg.batch_size_table:
@@ -136,27 +127,30 @@ class LoadController:
                 return min(self.k, rule.num_speculative_tokens)
         return self.k if not self.cfg.batch_size_table else 0
 
-    def _goodput(self, batch_size: int, k_max: int) -> DraftBudget:
-        """The K ≤ k_max with the most expected tokens per second (k_max while unmeasured; for one
-        sequence when re-probing)."""
-        line = self.step_time.decode_line()
-        if line is None or not self.positions.known(k_max):
-            return DraftBudget(k_max)
-        if self.steps_without >= self.cfg.reprobe_steps:
-            self.steps_without = 0
-            return DraftBudget(k_max, sequences=1)
-        t0, a = line
-        best_k, best_rate = 0, batch_size / max(t0 + a * batch_size, 1e-9)
-        gain = scored = 1.0
-        for i in range(k_max):
-            q = self.positions.delivery(i)
-            gain += q * self.positions.acceptance(i)
-            scored += q
-            rate = batch_size * gain / max(t0 + a * batch_size * scored, 1e-9)
-            if rate > best_rate:
-                best_k, best_rate = i + 1, rate
-        self.steps_without = self.steps_without + 1 if best_k == 0 else 0
-        return DraftBudget(best_k)
+    def _goodput(self, batch_size: int, k_max: int) -> int:
+        """The K ≤ k_max with the most expected tokens per second; k_max until acceptance is
+        measured, then each unmeasured K (largest first); a probe of the best K > 0 every
+        backoff × reprobe_steps steps that K = 0 wins."""
+        if not self.positions.known(k_max):
+            return k_max
+        costs = [self.costs.per_sequence(batch_size, k) for k in range(k_max + 1)]
+        unmeasured = [k for k, cost in enumerate(costs) if cost is None]
+        if unmeasured:
+            return unmeasured[-1]
+        rates = [self._expected_tokens(k) / max(cost, 1e-12) for k, cost in enumerate(costs)]
+        best = max(range(k_max + 1), key=rates.__getitem__)
+        if best > 0:
+            self.steps_without, self.backoff = 0, 1
+            return best
+        self.steps_without += 1
+        if self.steps_without <= self.cfg.reprobe_steps * self.backoff:
+            return 0
+        self.steps_without, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
+        return max(range(1, k_max + 1), key=rates.__getitem__)
+
+    def _expected_tokens(self, k: int) -> float:
+        """Tokens a sequence emits in a step that asks it for k drafts: 1 + Σ_{i<k} q_i · c_i."""
+        return 1.0 + sum(self.positions.delivery(i) * self.positions.acceptance(i) for i in range(k))
 
     def observe_proposal(self, asked: list[int], delivered: list[int]) -> None:
         """Drafts asked for and delivered, per sequence, this step."""
@@ -165,11 +159,12 @@ class LoadController:
         for a, d in zip(asked, delivered):
             self.positions.proposed(a, d)
 
-    def observe_step(self, rows: int, other_tokens: int, seconds: float) -> None:
-        """A step's wall time, its decided rows (decode, verify, a prefill's last position) and other tokens."""
-        if self.cfg.goodput:
-            self.step_time.observe(rows, other_tokens, seconds)
-
+    def observe_step(self, other_tokens: int, seconds: float) -> None:
+        """A step's wall time (drafting included) and its tokens other than decode and verify rows
+        (prefill chunks): only decode-only steps that goodput decided are costed."""
+        if self.decided is not None and other_tokens == 0:
+            self.costs.observe(*self.decided, seconds)
+        self.decided = None
     def observe(self, draft_tokens: int, accepted: int) -> None:
         if draft_tokens and self.cfg.goodput:
             self.positions.verified(draft_tokens, accepted)
