@@ -27,6 +27,7 @@ estimates stay current; each probe that confirms K = 0 doubles the interval (up 
 from __future__ import annotations
 
 from collections import deque
+from itertools import accumulate
 
 from specdecode.runtime.config import LoadControl
 
@@ -137,7 +138,7 @@ class LoadController:
         unmeasured = [k for k, cost in enumerate(costs) if cost is None]
         if unmeasured:
             return unmeasured[-1]
-        rates = [self._expected_tokens(k) / max(cost, 1e-12) for k, cost in enumerate(costs)]
+        rates = [tokens / max(cost, 1e-12) for tokens, cost in zip(self._expected_tokens(k_max), costs)]
         best = max(range(k_max + 1), key=rates.__getitem__)
         if best > 0:
             self.steps_without, self.backoff = 0, 1
@@ -148,9 +149,11 @@ class LoadController:
         self.steps_without, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
         return max(range(1, k_max + 1), key=rates.__getitem__)
 
-    def _expected_tokens(self, k: int) -> float:
-        """Tokens a sequence emits in a step that asks it for k drafts: 1 + Σ_{i<k} q_i · c_i."""
-        return 1.0 + sum(self.positions.delivery(i) * self.positions.acceptance(i) for i in range(k))
+    def _expected_tokens(self, k_max: int) -> list[float]:
+        """For k = 0..k_max, the tokens a sequence emits in a step that asks it for k drafts:
+        1 + Σ_{i<k} q_i · c_i."""
+        p = self.positions
+        return list(accumulate((p.delivery(i) * p.acceptance(i) for i in range(k_max)), initial=1.0))
 
     def observe_proposal(self, asked: list[int], delivered: list[int]) -> None:
         """Drafts asked for and delivered, per sequence, this step."""
@@ -165,6 +168,7 @@ class LoadController:
         if self.decided is not None and other_tokens == 0:
             self.costs.observe(*self.decided, seconds)
         self.decided = None
+
     def observe(self, draft_tokens: int, accepted: int) -> None:
         if draft_tokens and self.cfg.goodput:
             self.positions.verified(draft_tokens, accepted)
