@@ -1,7 +1,7 @@
 """Draft-model proposer: greedy equivalence with the no-spec output (same model as draft: every
 draft accepted; a different draft: every lossless strategy), draft forward tokens per step (never
-the prefix again), sampled drafts follow the draft distribution and rejection keeps the target's,
-tokenizer checks, draft KV freed on finish/abort, a too-small draft pool and target preemption."""
+the prefix again; long prompts fed in budget-sized chunks), sampled drafts follow the draft
+distribution and rejection keeps the target's, tokenizer checks, draft KV freed on finish/abort, a too-small draft pool and target preemption."""
 import json
 import math
 import shutil
@@ -72,8 +72,8 @@ def count_forward_tokens(engine) -> list[int]:
     return counts
 
 
-def run_counting(engine, prompts, params) -> tuple[list[list[int]], list[int]]:
-    """Run to completion; (outputs, draft forward tokens of each engine step)."""
+def run_counting(engine, prompts, params) -> tuple[list[list[int]], list[list[int]]]:
+    """Run to completion; (outputs, the tokens of each draft forward, per engine step)."""
     counts = count_forward_tokens(engine)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -84,14 +84,15 @@ def run_counting(engine, prompts, params) -> tuple[list[list[int]], list[int]]:
         for o in engine.step():
             for d in o.deltas:
                 out[o.request_id] += d.token_ids
-        per_step.append(sum(counts[before:]))
+        per_step.append(counts[before:])
     return [out[str(i)] for i in range(len(prompts))], per_step
 
 
-def assert_forward_tokens_bounded(per_step: list[int], prompts, k: int) -> None:
+def assert_forward_tokens_bounded(forwards: list[list[int]], prompts, k: int) -> None:
     """Step 1 prefills the target (no drafts yet); step 2 feeds each prompt once plus K−1 drafts;
     every later step at most (K+1)·B catch-up tokens plus (K−1)·B single-token draft steps."""
     b = len(prompts)
+    per_step = [sum(f) for f in forwards]
     assert per_step[0] == 0
     assert per_step[1] == sum(len(p) + 1 for p in prompts) + (k - 1) * b  # the prompt + first token, once
     assert all(n <= (k + 1) * b + (k - 1) * b for n in per_step[2:]), per_step
@@ -111,7 +112,7 @@ def test_same_model_as_draft_is_always_accepted(smollm2, smol_dir, make_engine, 
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens  # acceptance 1.0
     assert_forward_tokens_bounded(per_step, prompts, 4)
-    assert per_step[2:] == [2 * 2 + 3 * 2]  # all accepted: 2 unseen tokens each (the last draft, the bonus) + 3 draft steps
+    assert [sum(f) for f in per_step[2:]] == [2 * 2 + 3 * 2]  # all accepted: 2 unseen tokens each (the last draft, the bonus) + 3 draft steps
 
 
 @pytest.mark.parametrize("verify", LOSSLESS)
@@ -127,6 +128,24 @@ def test_different_draft_greedy_equals_no_spec(tiny, tiny_draft_dir, tiny_prompt
     assert engine.proposer.states == {} and engine.proposer.blocks.num_free_blocks == engine.proposer.blocks.num_blocks
 
 
+def test_prompt_catch_up_is_chunked_to_the_step_budget(tiny, tiny_draft_dir, tiny_prompts, tiny_nospec, make_engine, assert_greedy_match):
+    """A step budget shorter than the prompts: the draft is fed each prompt in chunks over several
+    steps (shortest catch-ups first, drafting nothing for a sequence until its prompt is in), its
+    catch-up forward never exceeds the budget, and outputs stay the no-spec ones."""
+    budget, k = 8, 3
+    assert max(len(p) for p in tiny_prompts) > budget
+    spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": k}
+    engine = make_engine(*tiny, spec=spec, budget=budget)
+    got, per_step = run_counting(engine, tiny_prompts, GREEDY)
+    for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
+        assert_greedy_match(tiny[0], prompt, expected, actual)
+    catch_ups = [forwards[0] for forwards in per_step if forwards]  # each step's first draft forward feeds the catch-ups
+    assert max(catch_ups) <= budget
+    assert sum(catch_ups) >= sum(len(p) for p in tiny_prompts)  # every prompt was fed, in budget-sized pieces
+    assert budget in catch_ups  # a prompt cut at the budget, the rest fed in later steps
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_sampled_drafts_follow_the_draft_and_rejection_keeps_the_target(tiny, tiny_draft_dir, make_engine, full_forward, chi_square_p_value):
     """One proposal for many seeds: the first draft token follows the draft's distribution q (which the
     proposal returns), and rejection sampling of it emits tokens that follow the target's p."""
@@ -135,7 +154,7 @@ def test_sampled_drafts_follow_the_draft_and_rejection_keeps_the_target(tiny, ti
     prompt = tok.encode("The quick brown fox")
     params = SamplingParams(temperature=1.5, top_k=40, max_tokens=8)
     spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": k, "draft_kv_cache_blocks": n}
-    engine = make_engine(model, tok, spec=spec)
+    engine = make_engine(model, tok, spec=spec, budget=n * len(prompt))  # every prompt caught up in this one step
     proposer = engine.proposer
     seqs = [Sequence(i, str(i), 0, list(prompt), len(prompt), params, 0.0, seed=i) for i in range(n)]
     proposal = proposer.propose(seqs, [k] * n)

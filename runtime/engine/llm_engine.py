@@ -104,6 +104,7 @@ class LLMEngine:
         self.proposer = build_proposer(
             spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
             weight_cache_dir=cfg.load.weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)

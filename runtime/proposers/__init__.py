@@ -42,9 +42,11 @@ def build_proposer(
     weight_cache_dir: Path | None = None,
     block_size: int = 16,
     num_blocks: int | None = None,
+    max_num_batched_tokens: int = 512,
 ) -> Proposer | None:
     """The configured proposer; ``draft`` also needs the target's dtype, vocabulary size, tokenizer,
-    weight cache and KV block size / pool size (its own pool defaults to the target's count)."""
+    weight cache, KV block size / pool size (its own pool defaults to the target's count) and
+    per-step token budget (its prompt catch-ups are chunked to it)."""
     if cfg.method is SpeculativeMethod.NONE:
         return None
     if cfg.method is SpeculativeMethod.NGRAM:
@@ -63,5 +65,6 @@ def build_proposer(
         return DraftProposer.load(
             cfg, device, dtype, target_vocab_size=target_vocab_size, tokenizer=tokenizer,
             weight_cache_dir=weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
+            max_catch_up_tokens=max_num_batched_tokens,
         )
     raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")

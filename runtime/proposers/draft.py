@@ -10,12 +10,16 @@ Each step, for the sequences asked for drafts:
    its slots until overwritten: the mask never reads past a query's position). The tokens the
    draft has not seen are forwarded in one batched call — after a step, the accepted drafts the
    draft did not feed itself plus the recovered or bonus token (1 or 2 tokens, at most K+1); the
-   whole prompt for a new sequence. Its last row gives draft token 1.
+   whole prompt for a new sequence. Its last row gives draft token 1. Catch-ups share a budget
+   of ``max_catch_up_tokens`` per step (the target's ``max_num_batched_tokens``), shortest
+   first: a long prompt is fed in chunks over several steps, drafting nothing until it is in,
+   so no step forwards a whole long prompt through the draft (its attention mask alone would be
+   prompt² entries) and the sequences already drafting keep their drafts meanwhile.
 2. *Draft.* K−1 single-token forwards batched over the sequences, each feeding the previous draft
    token and giving the next. The last draft token is never fed: the next catch-up feeds it if
    it was accepted.
 
-So a step forwards at most (K+1)·B + (K−1)·B tokens once prompts are in, never the prefix again.
+So a step forwards at most max(budget, (K+1)·B) + (K−1)·B tokens, never the prefix again.
 
 Draft tokens are the argmax for greedy requests; sampled requests draw from the draft's own
 distribution under the request's temperature / top-k / top-p (``sampling_probs``, penalties not
@@ -62,9 +66,13 @@ class DraftState:
 
 
 class DraftProposer:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+        max_catch_up_tokens: int,
+    ):
         self.model = model
         self.device = device
+        self.max_catch_up_tokens = max_catch_up_tokens
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
         self.states: dict[int, DraftState] = {}  # by seq_id
@@ -81,6 +89,7 @@ class DraftProposer:
         weight_cache_dir: Path | None,
         block_size: int,
         num_blocks: int,
+        max_catch_up_tokens: int,
     ) -> "DraftProposer":
         """Load ``cfg.draft_model`` on the target's device in its dtype; refuse one that does not share its tokenizer."""
         load = LoadConfig(
@@ -88,25 +97,30 @@ class DraftProposer:
         )
         loaded = load_model(load)
         check_same_tokenizer(loaded, target_vocab_size, tokenizer)
-        return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype)
+        return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype, max_catch_up_tokens)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
-        ks = [self._catch_up(seq, cap) for seq, cap in zip(seqs, max_drafts)]  # 0 = no drafts this step
+        ks, fed = self._catch_up_all(seqs, max_drafts)  # drafts this step (0: none), tokens queued to feed
         drafts: list[list[int]] = [[] for _ in seqs]
-        if not any(ks):
+        if not any(fed):
             return Proposal(drafts)
         sampled = any(k and not seq.params.greedy for seq, k in zip(seqs, ks))
         vocab = self.model.config.vocab_size
         probs = torch.zeros(len(seqs), max(ks), vocab, device=self.device) if sampled else None  # [B, K, V]
-        for j in range(max(ks)):
-            rows = [i for i, k in enumerate(ks) if k > j]
+        for j in range(max(1, max(ks))):  # j = 0 also feeds the catch-ups that draft nothing yet
+            rows = [i for i, k in enumerate(ks) if k > j or (j == 0 and fed[i])]
             states = [self.states[seqs[i].seq_id] for i in rows]
-            scheduled = [ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states]
-            logits = self.runner.execute(scheduled)  # [len(rows), V]: each state's last row
-            tokens, q = self._choose(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
-            for i, state, token in zip(rows, states, tokens):
+            logits = self.runner.execute([ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states])  # [len(rows), V]
+            for state in states:
                 state.num_computed_tokens = len(state)
-                state.token_ids.append(token)
+            drafting = [r for r, i in enumerate(rows) if ks[i] > j]
+            if not drafting:
+                continue
+            rows = [rows[r] for r in drafting]
+            logits = logits.index_select(0, torch.tensor(drafting, device=logits.device))
+            tokens, q = self._choose(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
+            for i, token in zip(rows, tokens):
+                self.states[seqs[i].seq_id].token_ids.append(token)
                 drafts[i].append(token)
             if q is not None:
                 probs[rows, j] = q
@@ -117,24 +131,43 @@ class DraftProposer:
         if state is not None:
             self.blocks.release(state)
 
-    def _catch_up(self, seq: Sequence, cap: int) -> int:
-        """Roll ``seq``'s draft state back to its confirmed tokens and queue the unseen ones;
-        return how many drafts it gets this step (0 when the pool or the draft's context is short)."""
+    def _catch_up_all(self, seqs: list[Sequence], max_drafts: list[int]) -> tuple[list[int], list[int]]:
+        """Per sequence, the drafts it gets this step and the tokens queued to feed its draft state;
+        the shortest catch-ups go first under ``max_catch_up_tokens``."""
+        ks, fed = [0] * len(seqs), [0] * len(seqs)
+        budget = self.max_catch_up_tokens
+        for i in sorted(range(len(seqs)), key=lambda i: self._unseen(seqs[i])):
+            ks[i], fed[i] = self._catch_up(seqs[i], max_drafts[i], budget)
+            budget -= fed[i]
+        return ks, fed
+
+    def _unseen(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its draft state would need fed (an estimate: drafts not yet compared count as seen)."""
+        state = self.states.get(seq.seq_id)
+        return len(seq) - (min(state.num_computed_tokens, len(seq) - 1) if state else 0)
+
+    def _catch_up(self, seq: Sequence, cap: int, budget: int) -> tuple[int, int]:
+        """Roll ``seq``'s draft state back to its confirmed tokens and queue up to ``budget`` unseen
+        ones; return (drafts this step, tokens queued). No drafts when the catch-up does not fit in
+        the budget (it goes on next step), the pool is short or the draft's context ends."""
         k = min(cap, self.model.config.max_position_embeddings + 1 - len(seq))  # feeds positions < len + k - 1
-        if k <= 0:
-            return 0
+        if k <= 0 or budget <= 0:
+            return 0, 0
         state = self.states.setdefault(seq.seq_id, DraftState())
         n = min(state.num_confirmed, len(seq) - 1)
         limit = min(state.num_computed_tokens, len(seq) - 1)  # the last token is always fed: its row drafts
         while n < limit and state.token_ids[n] == seq.token_ids[n]:
             n += 1
-        if not self.blocks.grow(state, len(seq) + k - 1):
-            return 0
+        end = min(len(seq), n + budget)
+        if end < len(seq):
+            k = 0
+        if not self.blocks.grow(state, end + max(k - 1, 0)):
+            return 0, 0
         del state.token_ids[n:]
-        state.token_ids += seq.token_ids[n:]
+        state.token_ids += seq.token_ids[n:end]
         state.num_computed_tokens = n
-        state.num_confirmed = len(seq)
-        return k
+        state.num_confirmed = end
+        return k, end - n
 
     def _choose(
         self, logits: torch.Tensor, seqs: list[Sequence], j: int, want_probs: bool
