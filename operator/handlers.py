@@ -28,6 +28,7 @@ from specdecode.operator.resolve import resolve
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
 WORKLOADS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
 
 
 @kopf.on.startup()
@@ -59,9 +60,25 @@ async def analyse(stopped: kopf.DaemonStopped, namespace: str, name: str, body: 
                   logger: logging.Logger, **_: Any) -> None:
     """While a canary exists: every spec.rollout.analysis.interval, judge it and move the rollout.
     Async, so that kopf can cancel it; the blocking work runs in a thread."""
-    while not await stopped.wait(controller.analysis_interval(body)):
+    while await interval_passed(stopped, controller.analysis_interval(body)):
         if not await asyncio.to_thread(controller.reconcile, memo.ctx, namespace, name, logger, analyze=True):
             return  # deleted (possibly before kopf's finalizer was on it to stop this daemon)
+
+
+async def interval_passed(stopped: kopf.DaemonStopped, seconds: float) -> bool:
+    """Sleep ``seconds``; False as soon as the daemon is asked to stop (noticed within a second).
+
+    Not ``stopped.wait(seconds)``: kopf runs that wait as a task of its own, and when the operator
+    stops just as its timeout fires, that task ends in a TimeoutError that no one awaits and kopf
+    re-raises on the way out, so the operator exits with a traceback."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stopped:
+        left = deadline - loop.time()
+        if left <= 0:
+            return True
+        await asyncio.sleep(min(left, STOP_CHECK_SECONDS))
+    return False
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)

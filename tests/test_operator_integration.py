@@ -8,6 +8,7 @@ over a two-second window, so a whole rollout takes a few seconds.
 """
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -31,6 +32,7 @@ from operator_harness import (
 
 from specdecode.operator import metrics, names
 from specdecode.operator.crd import build_crd
+from specdecode.operator.handlers import interval_passed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -383,6 +385,26 @@ def test_a_restarted_operator_resumes_the_rollout_from_status(cluster: Cluster,
     cluster.stand_in_pod("smollm2-ngram", canary, runtime.port)
     wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
     assert [r for _, r, _ in cluster.events("smollm2-ngram")].count("RolloutStarted") == 1
+
+
+def test_the_analysis_daemon_waits_its_interval_or_until_stopped() -> None:
+    """interval_passed: True once the interval is over; False once the stop flag is raised (well
+    before a long interval ends), leaving no task of its own behind for kopf to re-raise at exit."""
+
+    class StopFlag:  # what the daemon reads of kopf.DaemonStopped: its truth
+        raised = False
+
+        def __bool__(self) -> bool:
+            return self.raised
+
+    async def scenario() -> tuple[bool, bool, int]:
+        flag = StopFlag()
+        passed = await interval_passed(flag, 0.05)  # type: ignore[arg-type]
+        asyncio.get_running_loop().call_later(0.1, setattr, flag, "raised", True)
+        stopped_early = not await interval_passed(flag, 60)  # type: ignore[arg-type]
+        return passed, stopped_early, len(asyncio.all_tasks())
+
+    assert asyncio.run(scenario()) == (True, True, 1)  # the only task left is the scenario itself
 
 
 def test_abort_annotation_rolls_back_by_hand(cluster: Cluster) -> None:
