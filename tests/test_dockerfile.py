@@ -141,7 +141,7 @@ def test_runtime_image_serves_the_default_model(stages):
     torch_pin = f'"torch=={bootstrap_pin("torch")}"'  # the same exact version as the bootstrap, never a range
     assert any(torch_pin in run and '--index-url "${TORCH_INDEX_URL}"' in run for run in runs)
     extras = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
-    for extra in ("runtime", "test"):  # test: accelerate's own torch>=2.0 would otherwise be the only bound
+    for extra in ("runtime", "test"):  # test: accelerate's open lower bound would otherwise be the only one
         assert torch_pin.strip('"') in extras[extra]
     assert all(r == torch_pin.strip('"') for reqs in extras.values() for r in reqs if re.match(r"torch\b", r))
     assert re.search(r"/whl/cu\d+$", arg_default(runtime, "TORCH_INDEX_URL"))
