@@ -42,7 +42,7 @@ def build_proposer(
     weight_cache_dir: Path | None = None,
     block_size: int = 16,
     num_blocks: int | None = None,
-    max_num_batched_tokens: int = 512,
+    max_num_batched_tokens: int | None = None,
 ) -> Proposer | None:
     """The configured proposer; ``draft`` also needs the target's dtype, vocabulary size, tokenizer,
     weight cache, KV block size / pool size (its own pool defaults to the target's count) and
@@ -60,8 +60,8 @@ def build_proposer(
     if cfg.method is SpeculativeMethod.DRAFT:
         from specdecode.runtime.proposers.draft import DraftProposer
 
-        if target_vocab_size is None or tokenizer is None or num_blocks is None:
-            raise ValueError("method 'draft' needs the target's vocabulary size, tokenizer and KV pool size")
+        if target_vocab_size is None or tokenizer is None or num_blocks is None or max_num_batched_tokens is None:
+            raise ValueError("method 'draft' needs the target's vocabulary size, tokenizer, KV pool size and step token budget")
         return DraftProposer.load(
             cfg, device, dtype, target_vocab_size=target_vocab_size, tokenizer=tokenizer,
             weight_cache_dir=weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
