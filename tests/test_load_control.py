@@ -1,7 +1,9 @@
 """Load control: the batch-size → K table and the acceptance floor that turns speculation off
 and probes it again later — unit level and inside the engine."""
+import pytest
+
 from specdecode.runtime.config import BatchSizeRule, LoadControl
-from specdecode.runtime.engine.load_control import LoadController, StepCosts
+from specdecode.runtime.engine.load_control import MIN_STEPS, LoadController, StepCosts
 from specdecode.runtime.engine.sequence import SamplingParams
 
 
@@ -60,16 +62,22 @@ def test_batch_table_applies_inside_the_engine(sharp, make_engine, run_all):
 # -- goodput: K from measured acceptance and this machine's step times ---------------------------
 
 
+def learn_acceptance(lc: LoadController, accepted: list[int], k: int = 4) -> None:
+    """Proposals of k drafts, all delivered, verified with ``accepted`` (a pattern repeated so that
+    no order skews the decayed estimates) until the estimates are trusted."""
+    for _ in range(200 // len(accepted)):
+        for m in accepted:
+            lc.observe_proposal([k], [k])
+            lc.observe(k, m)
+
+
 def goodput_controller(step_cost: list[float], accepted: list[int], reprobe_steps: int = 5, batch: int = 8):
     """A goodput controller (K ≤ 4) that has measured, at this batch size, decode steps costing
     ``step_cost[k]`` seconds per sequence at K = k and, for sequences asked for and given 4
     drafts, verifications accepting ``accepted`` (a pattern repeated so that no order skews the
     decayed estimates)."""
     lc = LoadController(LoadControl(goodput=True, reprobe_steps=reprobe_steps), num_speculative_tokens=4)
-    for _ in range(200 // len(accepted)):
-        for m in accepted:
-            lc.observe_proposal([4], [4])
-            lc.observe(4, m)
+    learn_acceptance(lc, accepted)
     for _ in range(5):
         for k, cost in enumerate(step_cost):
             lc.costs.observe(batch, k, cost * batch)
@@ -78,31 +86,63 @@ def goodput_controller(step_cost: list[float], accepted: list[int], reprobe_step
 
 def test_step_costs_are_per_sequence_by_batch_bucket_and_k():
     costs = StepCosts()
-    for _ in range(3):
+    for _ in range(MIN_STEPS - 1):
         costs.observe(8, 4, 0.8)
-    assert costs.per_sequence(8, 4) is None  # too few steps yet (decayed weight 2.71 < 3)
+    assert costs.per_sequence(8, 4) is None  # too few steps yet
     costs.observe(12, 4, 1.2)  # same bucket (8-15), same cost per sequence
     assert abs(costs.per_sequence(9, 4) - 0.1) < 1e-12
     assert costs.per_sequence(8, 2) is None and costs.per_sequence(16, 4) is None
+    assert costs.nearest_measured(40, 4) == [None, None, None, None, pytest.approx(0.1)]  # 32-63: none; 8-15 is nearest
+    assert costs.nearest_measured(40, 3) == [None] * 4  # no bucket has a K ≤ 3
 
 
-def test_goodput_explores_each_k_then_measures_only_decode_steps():
+def decode_steps(lc: LoadController, step_cost: list[float], n: int, batch: int = 8) -> list[int]:
+    """``n`` decode-only steps at this batch size, K = k costing ``step_cost[k]`` s per sequence."""
+    ks = []
+    for _ in range(n):
+        ks.append(lc.budget(batch, batch))
+        lc.observe_step(0, step_cost[ks[-1]] * batch)
+    return ks
+
+
+def test_goodput_measures_each_k_smallest_first_and_only_in_decode_steps():
     lc = LoadController(LoadControl(goodput=True), num_speculative_tokens=2)
-    for _ in range(4):  # the largest K first (acceptance is measured there), until its cost is too
+    for _ in range(3):  # the largest K until acceptance is known (16 decayed proposals), which costs it
         assert lc.budget(8, 8) == 2
         lc.observe_proposal([2] * 8, [2] * 8)
         lc.observe(2, 2)
         lc.observe_step(0, 0.8)
-    assert lc.budget(8, 8) == 1  # then each unmeasured K, largest first
+    assert decode_steps(lc, [0.05], MIN_STEPS) == [0] * MIN_STEPS  # then the smallest unmeasured K
+    assert lc.budget(8, 8) == 1  # 2 tokens could beat 3 / 0.1 if they cost no more than K = 0
     lc.observe_step(512, 5.0)  # a step with a prefill chunk: not a decode step's cost
     assert lc.costs.per_sequence(8, 1) is None
-    for _ in range(4):  # the decayed weight reaches MIN_STEPS = 3 on the 4th step
-        assert lc.budget(8, 8) == 1
-        lc.observe_step(0, 0.6)
-    for _ in range(4):
-        assert lc.budget(8, 8) == 0
-        lc.observe_step(0, 0.4)
+    assert decode_steps(lc, [0.05, 0.075], MIN_STEPS) == [1] * MIN_STEPS
     assert lc.budget(8, 8) == 2  # every draft accepted: 3 tokens for 0.1 s beats 2 / 0.075 and 1 / 0.05
+
+
+def test_goodput_skips_measuring_a_k_that_cannot_win():
+    """Acceptance 0.2 at the first position and none after: K = 1 could beat K = 0 (1.2 tokens if it
+    cost no more), so it is measured; once it costs 0.075 s, no larger K can beat K = 0 (1.2 tokens
+    for at least 0.075 s), so none is asked for."""
+    lc = LoadController(LoadControl(goodput=True, reprobe_steps=1000), num_speculative_tokens=4)
+    learn_acceptance(lc, [0, 0, 0, 0, 1])
+    ks = decode_steps(lc, [0.05, 0.075, 0.08, 0.085, 0.09], 20)
+    assert ks == [0] * MIN_STEPS + [1] * MIN_STEPS + [0] * (20 - 2 * MIN_STEPS)
+    assert not lc.enabled
+
+
+def test_goodput_never_explores_in_a_step_with_a_prefill_chunk():
+    """A mixed step is not costed: it takes the best measured K of its bucket, else of the nearest
+    bucket measured, else K (presumed to pay until measured); it counts toward no probe."""
+    lc = LoadController(LoadControl(goodput=True, reprobe_steps=2), num_speculative_tokens=4)
+    learn_acceptance(lc, [4])
+    assert lc.budget(8, 8, prefill=True) == 4  # nothing measured anywhere
+    costs = [0.05, 0.3, 0.3, 0.3, 0.3]  # scoring drafts so dear that even 5 tokens do not pay
+    assert decode_steps(lc, costs, 2 * MIN_STEPS) == [0] * MIN_STEPS + [1] * MIN_STEPS
+    assert [lc.budget(8, 8, prefill=True) for _ in range(10)] == [0] * 10  # the bucket's best, no probe
+    assert lc.budget(40, 40, prefill=True) == 0  # bucket 32-63 unmeasured: the nearest, 8-15
+    assert decode_steps(lc, costs, 3) == [0, 0, 1]  # the probe comes after 2 decode steps, not before
+    assert lc.budget(40, 40) == 0  # a decode step in the unmeasured bucket measures it
 
 
 def test_goodput_turns_speculation_off_where_scoring_costs_and_acceptance_is_low():

@@ -174,7 +174,8 @@ class LLMEngine:
         decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
         if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
             return
-        k = self.load_control.budget(len(running), len(decoding))
+        prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
+        k = self.load_control.budget(len(running), len(decoding), prefill)
         caps = [self._draft_cap(s, k) for s in decoding]
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
         if not chosen:

@@ -18,11 +18,20 @@ where q_i is how often the proposer delivers a draft at position i when asked fo
 often a delivered draft at position i is accepted (so q_i · c_i is the chance position i adds a
 token), and s(B, K) the measured seconds per sequence of decode-only steps that asked K drafts
 of each of B sequences (``StepCosts``; batch sizes in power-of-two buckets; the proposer's own
-time included). An unmeasured K is tried first (a few steps each). All estimates forget old
-data exponentially; none is kept unless ``goodput`` is on. While K = 0 wins, every
-``reprobe_steps`` steps one step asks for the best K > 0 instead, so its cost and the acceptance
-estimates stay current; each probe that confirms K = 0 doubles the interval (up to
-``MAX_BACKOFF`` times), so a probe's extra cost vanishes where speculation does not pay.
+time included). All estimates forget old data exponentially; none is kept unless ``goodput`` is
+on.
+
+Measuring a K costs a few steps at that K, so only a K that could still win is measured:
+smallest first, and none whose tokens could not beat the best measured rate even at the cost of
+the largest smaller K measured (more drafts never make a step cheaper). Where acceptance is low,
+K = 0 and K = 1 are measured and the rest skipped. Steps that carry a prefill chunk are not
+costed (the chunk dominates them), so they never measure: they take the best measured K of this
+batch bucket, or of the nearest bucket measured. That choice is the decode-only one on purpose:
+a draft costs a mixed step what it costs a decode step, and the step's decode part is best spent
+as in a decode step. While K = 0 wins, every ``reprobe_steps`` decode steps one step asks for the
+best K > 0 instead, so its cost and the acceptance estimates stay current; each probe that
+confirms K = 0 doubles the interval (up to ``MAX_BACKOFF`` times), so a probe's extra cost
+vanishes where speculation does not pay.
 """
 from __future__ import annotations
 
@@ -34,7 +43,8 @@ from specdecode.runtime.config import LoadControl
 SEQUENCE_DECAY = 0.995  # weight an old draft observation keeps per new one (about the last 200 sequences)
 STEP_DECAY = 0.9  # weight an old step keeps per new step of the same (batch bucket, K): about the last 10
 MIN_SAMPLES = 16.0  # decayed draft observations the acceptance estimates need before they are trusted
-MIN_STEPS = 3.0  # decayed steps a (batch bucket, K) cost needs before it is trusted
+MIN_STEPS = 3  # steps of a (batch bucket, K) before its cost is trusted
+MIN_STEP_WEIGHT = sum(STEP_DECAY**i for i in range(MIN_STEPS))  # their decayed weight
 MAX_BACKOFF = 16  # the probe interval grows up to this many times reprobe_steps
 
 
@@ -57,8 +67,19 @@ class StepCosts:
 
     def per_sequence(self, batch_size: int, k: int) -> float | None:
         """None until ``MIN_STEPS`` steps of this bucket asked for K."""
-        key = (batch_bucket(batch_size), k)
-        return self.seconds[key] / self.weight[key] if self.weight.get(key, 0.0) >= MIN_STEPS else None
+        return self._trusted((batch_bucket(batch_size), k))
+
+    def nearest_measured(self, batch_size: int, k_max: int) -> list[float | None]:
+        """Costs of K = 0..k_max in the bucket nearest this batch size's that has one (all None if
+        none has)."""
+        bucket = batch_bucket(batch_size)
+        measured = {b for (b, k) in self.weight if k <= k_max and self._trusted((b, k)) is not None}
+        nearest = min(measured, key=lambda b: (abs(b - bucket), b), default=bucket)
+        return [self._trusted((nearest, k)) for k in range(k_max + 1)]
+
+    def _trusted(self, key: tuple[int, int]) -> float | None:
+        weight = self.weight.get(key, 0.0)
+        return self.seconds[key] / weight if weight >= MIN_STEP_WEIGHT - 1e-9 else None
 
 
 class PositionStats:
@@ -109,16 +130,17 @@ class LoadController:
         """False while the acceptance floor or goodput holds speculation off (not for the table)."""
         return self.off_steps_left == 0 and self.steps_without == 0
 
-    def budget(self, running: int, decoding: int) -> int:
+    def budget(self, running: int, decoding: int, prefill: bool = False) -> int:
         """Drafts per decoding sequence this step: the table picks K by the ``running`` batch size;
-        goodput weighs the ``decoding`` sequences."""
+        goodput weighs the ``decoding`` sequences, and does not explore in a step that will also
+        carry a ``prefill`` chunk."""
         self.decided = None
         if self.off_steps_left > 0:
             self.off_steps_left -= 1
             return 0
         k = self._table_k(running)
         if self.cfg.goodput and k > 0:
-            k = self._goodput(decoding, k)
+            k = self._goodput(decoding, k, prefill)
             self.decided = (decoding, k)
         return k
 
@@ -128,18 +150,22 @@ class LoadController:
                 return min(self.k, rule.num_speculative_tokens)
         return self.k if not self.cfg.batch_size_table else 0
 
-    def _goodput(self, batch_size: int, k_max: int) -> int:
-        """The K ≤ k_max with the most expected tokens per second; k_max until acceptance is
-        measured, then each unmeasured K (largest first); a probe of the best K > 0 every
-        backoff × reprobe_steps steps that K = 0 wins."""
+    def _goodput(self, batch_size: int, k_max: int, prefill: bool) -> int:
+        """The K ≤ k_max with the most expected tokens per second: k_max until acceptance is
+        measured; in a decode-only step, first each K that could still win (``_worth_measuring``);
+        a probe of the best K > 0 every backoff × reprobe_steps decode steps that K = 0 wins."""
         if not self.positions.known(k_max):
             return k_max
+        tokens = self._expected_tokens(k_max)
+        if prefill:
+            rates = _rates(tokens, self.costs.nearest_measured(batch_size, k_max))
+            return max(rates, key=rates.__getitem__) if rates else k_max
         costs = [self.costs.per_sequence(batch_size, k) for k in range(k_max + 1)]
-        unmeasured = [k for k, cost in enumerate(costs) if cost is None]
-        if unmeasured:
-            return unmeasured[-1]
-        rates = [tokens / max(cost, 1e-12) for tokens, cost in zip(self._expected_tokens(k_max), costs)]
-        best = max(range(k_max + 1), key=rates.__getitem__)
+        rates = _rates(tokens, costs)
+        unmeasured = _worth_measuring(tokens, costs, max(rates.values(), default=0.0))
+        if unmeasured is not None:
+            return unmeasured
+        best = max(rates, key=rates.__getitem__)
         if best > 0:
             self.steps_without, self.backoff = 0, 1
             return best
@@ -147,7 +173,7 @@ class LoadController:
         if self.steps_without <= self.cfg.reprobe_steps * self.backoff:
             return 0
         self.steps_without, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
-        return max(range(1, k_max + 1), key=rates.__getitem__)
+        return max((k for k in rates if k > 0), key=rates.__getitem__, default=1)
 
     def _expected_tokens(self, k_max: int) -> list[float]:
         """For k = 0..k_max, the tokens a sequence emits in a step that asks it for k drafts:
@@ -186,3 +212,20 @@ class LoadController:
             self.off_steps_left = self.cfg.reprobe_steps
             self.window.clear()
             self.window_drafts = self.window_accepted = 0
+
+
+def _rates(tokens: list[float], costs: list[float | None]) -> dict[int, float]:
+    """Expected tokens per second of each measured K."""
+    return {k: tokens[k] / max(cost, 1e-12) for k, cost in enumerate(costs) if cost is not None}
+
+
+def _worth_measuring(tokens: list[float], costs: list[float | None], best_rate: float) -> int | None:
+    """The smallest unmeasured K that could beat ``best_rate``: its cost is at least that of the
+    largest smaller K measured, so its rate is at most its tokens over that cost."""
+    floor = 0.0
+    for k, cost in enumerate(costs):
+        if cost is not None:
+            floor = max(floor, cost)
+        elif floor == 0.0 or tokens[k] / floor > best_rate:
+            return k
+    return None

@@ -44,6 +44,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admits_waiting(self) -> bool:
+        """Whether a waiting sequence has a free seat in the next step (KV room not checked)."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
