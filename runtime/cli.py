@@ -236,6 +236,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_bench_kernels(parser: argparse.ArgumentParser) -> None:
+    from specdecode.runtime.bench.kernels import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from specdecode.runtime.bench.kernels import run
+
+    return run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", _add_serve, _run_serve),
     Subcommand("generate", "generate one completion and print it", _add_generate, _run_generate),
@@ -243,6 +255,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _run_validate),
     Subcommand("render", "print the Kubernetes objects the operator would create", _add_render, _run_render),
     Subcommand("bench", "benchmark against Hugging Face transformers (table, JSON, plot)", _add_bench, _run_bench),
+    Subcommand("bench-kernels", "time each Triton kernel against its torch reference (table, JSON, plot)",
+               _add_bench_kernels, _run_bench_kernels),
 ]
 
 

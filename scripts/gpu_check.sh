@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The gpu test tier (tests/test_cuda.py: compiled Triton kernels against their references, the
+# engine's greedy equivalence on CUDA) and the kernel benchmark, run from source on a CUDA machine.
+# No `pip install -e .` there: its torch pin would replace the machine's CUDA torch. Two halves:
+#   scripts/gpu_check.sh fetch         here: wheels of what GPU machines lack (pydantic, tokenizers,
+#                                      pytest, matplotlib, ...) for their Python into .gpu-wheels/
+#   scripts/gpu_check.sh run [ARGS]    there: install those wheels into a scratch folder with
+#                                      --no-deps (the machine's torch and triton stay as they are),
+#                                      then `pytest -m gpu` with TRITON_INTERPRET=0 and ARGS, then
+#                                      `specdecode bench-kernels` into ${OUT:-bench-results}
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=.gpu-wheels
+GPU_PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
+PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions pyyaml
+          pytest pluggy iniconfig packaging pygments
+          tokenizers safetensors jinja2 markupsafe numpy gguf tqdm
+          matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six)
+
+case "${1:-}" in
+  fetch)
+    mkdir -p "$WHEELS"
+    PIP=.venv/bin/pip; [ -x "$PIP" ] || PIP="python3 -m pip"
+    $PIP download --quiet --disable-pip-version-check --no-deps --only-binary=:all: -d "$WHEELS" \
+      --python-version "$GPU_PYTHON_VERSION" --implementation cp \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+      "${PACKAGES[@]}"
+    du -sh "$WHEELS"
+    ;;
+  run)
+    shift
+    SITE=${TMPDIR:-/tmp}/specdecode-gpu-site
+    if [ ! -d "$SITE/specdecode" ]; then
+      python3 -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+      mkdir -p "$SITE/specdecode"  # the package-dir mapping of pyproject.toml, as links
+      for part in runtime kernels operator; do ln -s "$PWD/$part" "$SITE/specdecode/$part"; done
+    fi
+    export PYTHONPATH="$SITE" TRITON_INTERPRET=0
+    python3 -P -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+    rc=0
+    python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda.py "$@" || rc=$?
+    python3 -P -m specdecode.runtime.cli bench-kernels --output-dir "${OUT:-bench-results}" || rc=$?
+    exit $rc
+    ;;
+  *)
+    echo "usage: scripts/gpu_check.sh fetch | run [pytest args]" >&2
+    exit 2
+    ;;
+esac
