@@ -237,9 +237,10 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench_kernels(parser: argparse.ArgumentParser) -> None:
-    from specdecode.runtime.bench.kernels import add_arguments
-
-    add_arguments(parser)
+    parser.add_argument("--device", default="cuda", help="device to run both paths on (default cuda)")
+    parser.add_argument("--repeats", type=int, default=50, help="timed launches per path and case")
+    parser.add_argument("--output-dir", default="bench-results")
+    parser.add_argument("--quick", action="store_true", help="small sizes only (a plumbing check)")
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:

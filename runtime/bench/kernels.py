@@ -41,13 +41,6 @@ class KernelTiming:
         return self.reference_us / self.triton_us
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda", help="device to run both paths on (default cuda)")
-    parser.add_argument("--repeats", type=int, default=50, help="timed launches per path and case")
-    parser.add_argument("--output-dir", default="bench-results")
-    parser.add_argument("--quick", action="store_true", help="small sizes only (a plumbing check)")
-
-
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
