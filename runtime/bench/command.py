@@ -256,7 +256,10 @@ def _write_outputs(
 
 def _versions(results) -> dict[str, object]:
     versions: dict[str, object] = {k: v for r in results for k, v in r.versions.items()}
-    versions["specdecode"] = metadata.version("specdecode")
+    try:
+        versions["specdecode"] = metadata.version("specdecode")
+    except metadata.PackageNotFoundError:  # run from source (scripts/gpu_check.sh): the commit below says which
+        versions["specdecode"] = None
     versions["git_commit"] = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain")
     versions["git_dirty"] = None if status is None else bool(status)
