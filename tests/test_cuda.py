@@ -5,7 +5,7 @@ the engine on CUDA gives the no-spec greedy output with every proposer and lossl
 Run with ``TRITON_INTERPRET=0`` (scripts/gpu_check.sh does): conftest.py turns the interpreter on
 by default, and these tests are about what the compiler makes of the kernels.
 
-Kernel equality is exact: probabilities are multiples of 2**-20 (``_dyadic``), so every partial
+Kernel equality is exact: probabilities are multiples of 2**-20 (``dyadic``), so every partial
 sum is exact in fp32 whatever order a kernel adds in, and the sampling rule cannot round
 differently on the two paths.
 """
@@ -20,6 +20,7 @@ from specdecode.kernels import PLACEHOLDER_TOKEN_ID
 from specdecode.kernels import ngram as kn
 from specdecode.kernels import sampling as ks
 from specdecode.kernels import verify as kv
+from specdecode.runtime.bench.kernels import dyadic
 from specdecode.runtime.config import (
     CacheConfig,
     Device,
@@ -52,16 +53,12 @@ def _compiled_triton():
 # ---------------------------------------------------------------- kernels
 
 
-def _dyadic(x: torch.Tensor) -> torch.Tensor:
-    return (x * 2.0**20).round() / 2.0**20
-
-
 def _verify_case(seed: int, B: int, K: int, V: int):
     """Peaked dyadic p [B, K+1, V] and q [B, K, V], uniforms, drafts drawn from q (often accepted)
     or the argmax of p (for greedy), num_draft_tokens covering 0..K, all on CUDA."""
     gen = torch.Generator(device=CUDA).manual_seed(seed)
-    p = _dyadic((3 * torch.randn(B, K + 1, V, generator=gen, device=CUDA)).softmax(-1))
-    q = _dyadic((3 * torch.randn(B, K, V, generator=gen, device=CUDA)).softmax(-1))
+    p = dyadic((3 * torch.randn(B, K + 1, V, generator=gen, device=CUDA)).softmax(-1))
+    q = dyadic((3 * torch.randn(B, K, V, generator=gen, device=CUDA)).softmax(-1))
     sample_u = torch.rand(B, K + 1, generator=gen, device=CUDA)
     accept_u = torch.rand(B, K, generator=gen, device=CUDA)
     num = torch.randint(0, K + 1, (B,), generator=gen, device=CUDA)
@@ -108,7 +105,7 @@ def test_verify_kernels_equal_reference(seed, B, K, V):
 def test_inverse_cdf_sample_equals_reference(N, V):
     gen = torch.Generator(device=CUDA).manual_seed(N)
     weights = torch.rand(N, V, generator=gen, device=CUDA).pow(3)
-    probs = _dyadic(weights / weights.sum(-1, keepdim=True))  # rows summing to ~1: every partial sum exact
+    probs = dyadic(weights / weights.sum(-1, keepdim=True))  # rows summing to ~1: every partial sum exact
     probs[0, : V // 2] = 0.0  # a zero-weight prefix
     if N > 1:
         probs[1] = 0.0  # an all-zero row samples token 0

@@ -77,6 +77,12 @@ def measure(device: torch.device, repeats: int, quick: bool) -> list[KernelTimin
     return timings
 
 
+def dyadic(probs: torch.Tensor) -> torch.Tensor:
+    """Probabilities rounded to multiples of 2**-20: while a row sums to about 1, every partial sum
+    is exact in fp32, so Triton and the reference cannot round a cumulative sum differently."""
+    return (probs * 2.0**20).round() / 2.0**20
+
+
 def _fn(kernel: str) -> str:
     return kernel.removesuffix("_one_hot")
 
@@ -85,7 +91,6 @@ def _verify_args(B: int, V: int, device: torch.device) -> dict[str, tuple]:
     """Inputs as the engine builds them: peaked target probabilities [B, K+1, V], drafts that are
     often the target's likeliest token, every row with K drafts."""
     gen = torch.Generator(device=device).manual_seed(B * 7919 + V)
-    dyadic = lambda x: (x * 2.0**20).round() / 2.0**20  # noqa: E731
     p = dyadic((4 * torch.randn(B, K + 1, V, generator=gen, device=device)).softmax(-1))
     q = dyadic((4 * torch.randn(B, K, V, generator=gen, device=device)).softmax(-1))
     argmax = p.argmax(-1)  # [B, K+1]
