@@ -3,6 +3,7 @@ and the output checks on hand-made results. No timing is asserted: the machine i
 import json
 
 import pytest
+import torch
 
 from specdecode.runtime.bench import command, correctness, report
 from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
@@ -132,3 +133,16 @@ def test_bench_kernels_plumbing_under_the_interpreter(tmp_path, capsys):
     assert all(t["triton_us"] > 0 and t["reference_us"] > 0 for t in data["timings"])
     assert next(tmp_path.glob("kernels-*.png")).stat().st_size > 0
     assert "| rejection_verify |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--device", "bogus"], "is not a device"),
+    pytest.param(["--device", "cuda"], "no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
+    (["--device", "cpu", "--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bench_kernels_refuses_bad_arguments_with_a_reason(argv, reason):
+    from specdecode.runtime.cli import main
+
+    with pytest.raises(SystemExit, match=reason):
+        main(["bench-kernels", *argv])

@@ -42,10 +42,9 @@ class KernelTiming:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("bench-kernels: Triton kernels compile only for a GPU; use --device cuda "
-                         "(or TRITON_INTERPRET=1 to check the plumbing on a CPU)")
+    device = _checked_device(args.device)
+    if args.repeats < 1:
+        raise SystemExit(f"bench-kernels: --repeats must be >= 1, got {args.repeats}")
     timings = measure(device, args.repeats, args.quick)
     print(format_table(timings, device))
     out = Path(args.output_dir)
@@ -58,6 +57,23 @@ def run(args: argparse.Namespace) -> int:
     plot_speedups(timings, png_path, f"Triton vs torch reference on {_device_name(device)}")
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _checked_device(name: str) -> torch.device:
+    """The device to time on, or a one-line reason to stop (not a traceback from deep inside torch)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"bench-kernels: --device {name!r} is not a device (e.g. cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench-kernels: no CUDA device here; the Triton kernels compile only for a GPU "
+                         "(TRITON_INTERPRET=1 with --device cpu checks the plumbing)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("bench-kernels: Triton kernels compile only for a GPU; use --device cuda "
+                         "(or TRITON_INTERPRET=1 to check the plumbing on a CPU)")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"bench-kernels: --device {name!r}: only cuda (or cpu under the interpreter)")
+    return device
 
 
 def measure(device: torch.device, repeats: int, quick: bool) -> list[KernelTiming]:
