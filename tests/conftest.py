@@ -320,8 +320,9 @@ def sharp(tiny_hf_model_dir):
     return model.eval(), loaded.tokenizer
 
 
-def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32, spec=None):
-    """An engine on the CPU in fp32; ``spec`` is a SpeculativeConfig dict (snake_case) or None."""
+def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32, spec=None,
+                 device="cpu", dtype=torch.float32):
+    """An engine (on the CPU in fp32 unless told); ``spec`` is a SpeculativeConfig dict (snake_case) or None."""
     from specdecode.runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from specdecode.runtime.engine.llm_engine import LLMEngine
 
@@ -330,7 +331,7 @@ def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512,
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
         speculative=SpeculativeConfig(**(spec or {})),
     )
-    return LLMEngine(model, tokenizer, cfg, 2048, torch.device("cpu"), torch.float32)
+    return LLMEngine(model, tokenizer, cfg, 2048, torch.device(device), dtype)
 
 
 def _run_all(engine, prompts: list[list[int]], params) -> list[list[int]]:

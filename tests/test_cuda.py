@@ -21,16 +21,7 @@ from specdecode.kernels import ngram as kn
 from specdecode.kernels import sampling as ks
 from specdecode.kernels import verify as kv
 from specdecode.runtime.bench.kernels import dyadic
-from specdecode.runtime.config import (
-    CacheConfig,
-    Device,
-    DType,
-    EngineConfig,
-    LoadConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
-from specdecode.runtime.engine.llm_engine import LLMEngine
+from specdecode.runtime.config import Device, DType, LoadConfig
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
 
@@ -201,16 +192,6 @@ def _load(path: str, dtype: DType):
     return load_model(LoadConfig(model=path, device=Device.CUDA, dtype=dtype, weight_cache_dir=None))
 
 
-def _cuda_engine(loaded, dtype: torch.dtype, spec: dict | None = None, budget: int = 512) -> LLMEngine:
-    cfg = EngineConfig(
-        cache=CacheConfig(block_size=16, num_blocks=512),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=32),
-        speculative=SpeculativeConfig(**(spec or {})),
-        load=LoadConfig(weight_cache_dir=None),
-    )
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, 2048, CUDA, dtype)
-
-
 TEXTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "The cat sat on the mat. The cat sat on the mat. The cat",
@@ -225,14 +206,14 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.BFLOAT16])
-def test_engine_greedy_on_cuda_equals_no_spec(sharp_dirs, dtype, run_all, assert_greedy_match):
+def test_engine_greedy_on_cuda_equals_no_spec(sharp_dirs, dtype, make_engine, run_all, assert_greedy_match):
     target_dir, draft_dir = sharp_dirs
     loaded = _load(target_dir, dtype)
     weight = next(loaded.model.parameters())
     assert weight.is_cuda
     torch_dtype = weight.dtype
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
-    expected = run_all(_cuda_engine(loaded, torch_dtype), prompts, GREEDY)
+    expected = run_all(make_engine(loaded.model, loaded.tokenizer, device=CUDA, dtype=torch_dtype), prompts, GREEDY)
     methods = {
         "ngram": {"method": "ngram", "prompt_lookup_max": 3},
         "suffix": {"method": "suffix"},
@@ -240,7 +221,8 @@ def test_engine_greedy_on_cuda_equals_no_spec(sharp_dirs, dtype, run_all, assert
     }
     for method, spec in methods.items():
         for verify in LOSSLESS:
-            engine = _cuda_engine(loaded, torch_dtype, {**spec, "num_speculative_tokens": 4, "verify": verify}, budget=48)
+            engine = make_engine(loaded.model, loaded.tokenizer, device=CUDA, dtype=torch_dtype, budget=48,
+                                 spec={**spec, "num_speculative_tokens": 4, "verify": verify})
             got = run_all(engine, prompts, GREEDY)  # budget 48: prompts prefilled in chunks
             for prompt, want, have in zip(prompts, expected, got):
                 assert_greedy_match(loaded.model, prompt, want, have)
@@ -251,21 +233,21 @@ def test_engine_greedy_on_cuda_equals_no_spec(sharp_dirs, dtype, run_all, assert
             assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_seeded_sampling_and_logprobs_on_cuda(sharp_dirs, run_all):
+def test_seeded_sampling_and_logprobs_on_cuda(sharp_dirs, make_engine, run_all):
     """target_match with a seed gives exactly the seeded no-spec tokens; logprobs under speculation
     equal the no-spec ones (fp32)."""
     loaded = _load(sharp_dirs[0], DType.FLOAT32)
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS[:4]]
     seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "verify": "target_match"}
-    engine = _cuda_engine(loaded, torch.float32, spec)
-    assert run_all(engine, prompts, seeded) == run_all(_cuda_engine(loaded, torch.float32), prompts, seeded)
+    engine = make_engine(loaded.model, loaded.tokenizer, device=CUDA, spec=spec)
+    assert run_all(engine, prompts, seeded) == run_all(make_engine(loaded.model, loaded.tokenizer, device=CUDA), prompts, seeded)
     assert engine.stats().spec_decode_num_draft_tokens > 0
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     logprobs = {}
     for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
-        engine = _cuda_engine(loaded, torch.float32, spec)
+        engine = make_engine(loaded.model, loaded.tokenizer, device=CUDA, spec=spec)
         engine.add_request("r", prompts[0], params)
         logprobs[name] = []
         while engine.has_unfinished():
