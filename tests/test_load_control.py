@@ -172,25 +172,6 @@ def test_goodput_probes_the_best_k_with_a_growing_interval_and_never_exceeds_the
     assert capped.budget(8, 8) == 1  # unmeasured: the table's K
 
 
-def test_goodput_marks_every_k_but_the_measured_best_as_a_trial():
-    """A trial: K while acceptance is unknown, while a K is measured, as a probe, and in a mixed
-    step before any cost is measured; the measured best is not one, nor is a table's K."""
-    lc = LoadController(LoadControl(goodput=True, reprobe_steps=2), num_speculative_tokens=4)
-    assert lc.budget(8, 8) == 4 and lc.trial  # acceptance unknown
-    learn_acceptance(lc, [4])
-    assert lc.budget(8, 8, prefill=True) == 4 and lc.trial  # nothing measured anywhere
-    costs = [0.05, 0.04, 0.3, 0.3, 0.3]  # K = 1 pays; K = 2 costs too much, so K ≥ 3 never could
-    trials = []
-    for _ in range(3 * MIN_STEPS + 1):  # K = 0, 1 and 2 measured, then the best
-        trials.append((lc.budget(8, 8), lc.trial))
-        lc.observe_step(0, costs[trials[-1][0]] * 8)
-    assert trials == [(0, False)] * MIN_STEPS + [(1, True)] * MIN_STEPS + [(2, True)] * MIN_STEPS + [(1, False)]
-    assert lc.budget(8, 8, prefill=True) == 1 and not lc.trial
-    off = goodput_controller([0.05, 0.075, 0.085, 0.09, 0.1], [0], reprobe_steps=2)
-    assert [(off.budget(8, 8), off.trial) for _ in range(3)] == [(0, False), (0, False), (1, True)]  # a probe
-    assert LoadController(LoadControl(), 4).budget(8, 8) == 4 and not LoadController(LoadControl(), 4).trial
-
-
 def test_goodput_in_the_engine_keeps_greedy_output_and_measures(sharp, make_engine, run_all):
     model, tok = sharp
     prompts = [tok.encode("hello hello hello world"), tok.encode("one two one two one")]

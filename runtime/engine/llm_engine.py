@@ -180,7 +180,7 @@ class LLMEngine:
         chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
         if not chosen:
             return
-        proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen], self.load_control.trial)
+        proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
         self.load_control.observe_proposal([c for _, c in chosen], [len(t) for t in proposal.token_ids])
         for i, ((seq, _), tokens) in enumerate(zip(chosen, proposal.token_ids)):
             seq.draft_token_ids = tokens

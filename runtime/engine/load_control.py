@@ -32,12 +32,6 @@ as in a decode step. While K = 0 wins, every ``reprobe_steps`` decode steps one 
 best K > 0 instead, so its cost and the acceptance estimates stay current; each probe that
 confirms K = 0 doubles the interval (up to ``MAX_BACKOFF`` times), so a probe's extra cost
 vanishes where speculation does not pay.
-
-A step whose K > 0 is not the measured best — asked while acceptance is unknown, to measure a K,
-as a probe, or in a mixed step before anything is measured — is a *trial* (``trial``). A proposer
-that must invest per sequence before it can draft (the draft model's catch-up, its prefill of
-each prompt) invests little in a trial: otherwise exploring a batch where speculation does not
-pay would already have paid the draft's prefill of every prompt in it.
 """
 from __future__ import annotations
 
@@ -130,7 +124,6 @@ class LoadController:
         self.steps_without = 0  # goodput: steps in a row it chose K = 0 where the table allowed more
         self.backoff = 1  # goodput: the probe interval is backoff × reprobe_steps
         self.decided: tuple[int, int] | None = None  # goodput: (batch size, K) of this step, for its cost
-        self.trial = False  # goodput: this step's K > 0 is being tried, not the measured best
 
     @property
     def enabled(self) -> bool:
@@ -142,7 +135,6 @@ class LoadController:
         goodput weighs the ``decoding`` sequences, and does not explore in a step that will also
         carry a ``prefill`` chunk."""
         self.decided = None
-        self.trial = False
         if self.off_steps_left > 0:
             self.off_steps_left -= 1
             return 0
@@ -163,16 +155,16 @@ class LoadController:
         measured; in a decode-only step, first each K that could still win (``_worth_measuring``);
         a probe of the best K > 0 every backoff × reprobe_steps decode steps that K = 0 wins."""
         if not self.positions.known(k_max):
-            return self._try(k_max)
+            return k_max
         tokens = self._expected_tokens(k_max)
         if prefill:
             rates = _rates(tokens, self.costs.nearest_measured(batch_size, k_max))
-            return max(rates, key=rates.__getitem__) if rates else self._try(k_max)
+            return max(rates, key=rates.__getitem__) if rates else k_max
         costs = [self.costs.per_sequence(batch_size, k) for k in range(k_max + 1)]
         rates = _rates(tokens, costs)
         unmeasured = _worth_measuring(tokens, costs, max(rates.values(), default=0.0))
         if unmeasured is not None:
-            return self._try(unmeasured)
+            return unmeasured
         best = max(rates, key=rates.__getitem__)
         if best > 0:
             self.steps_without, self.backoff = 0, 1
@@ -181,12 +173,7 @@ class LoadController:
         if self.steps_without <= self.cfg.reprobe_steps * self.backoff:
             return 0
         self.steps_without, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
-        return self._try(max((k for k in rates if k > 0), key=rates.__getitem__, default=1))
-
-    def _try(self, k: int) -> int:
-        """Ask for ``k`` drafts as a trial (K = 0 is never one: nothing is proposed)."""
-        self.trial = k > 0
-        return k
+        return max((k for k in rates if k > 0), key=rates.__getitem__, default=1)
 
     def _expected_tokens(self, k_max: int) -> list[float]:
         """For k = 0..k_max, the tokens a sequence emits in a step that asks it for k drafts:

@@ -23,11 +23,8 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], trial: bool = False) -> Proposal:
-        """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``.
-        ``trial``: load control is trying speculation out, not running its measured best; a proposer
-        with a per-sequence set-up cost (the draft model's catch-up) spends little on it then;
-        the others ignore it."""
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+        """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``."""
         ...
 
     def finished(self, seq: Sequence) -> None:

@@ -14,10 +14,7 @@ Each step, for the sequences asked for drafts:
    of ``max_catch_up_tokens`` per step (the target's ``max_num_batched_tokens``), shortest
    first: a long prompt is fed in chunks over several steps, drafting nothing until it is in,
    so no step forwards a whole long prompt through the draft (its attention mask alone would be
-   prompt² entries) and the sequences already drafting keep their drafts meanwhile. In a load
-   control *trial* (speculation not yet measured to pay at this batch size) the budget is
-   ``max_catch_up_tokens`` // batch: trying speculation out on a batch must not cost the draft's
-   prefill of every prompt in it, which is what made it lose under load on a CPU.
+   prompt² entries) and the sequences already drafting keep their drafts meanwhile.
 2. *Draft.* K−1 single-token forwards batched over the sequences, each feeding the previous draft
    token and giving the next. The last draft token is never fed: the next catch-up feeds it if
    it was accepted.
@@ -102,9 +99,8 @@ class DraftProposer:
         check_same_tokenizer(loaded, target_vocab_size, tokenizer)
         return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype, max_catch_up_tokens)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], trial: bool = False) -> Proposal:
-        budget = max(1, self.max_catch_up_tokens // len(seqs)) if trial else self.max_catch_up_tokens
-        ks, fed = self._catch_up_all(seqs, max_drafts, budget)  # drafts this step (0: none), tokens queued to feed
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+        ks, fed = self._catch_up_all(seqs, max_drafts)  # drafts this step (0: none), tokens queued to feed
         drafts: list[list[int]] = [[] for _ in seqs]
         if not any(fed):
             return Proposal(drafts)
@@ -135,10 +131,11 @@ class DraftProposer:
         if state is not None:
             self.blocks.release(state)
 
-    def _catch_up_all(self, seqs: list[Sequence], max_drafts: list[int], budget: int) -> tuple[list[int], list[int]]:
+    def _catch_up_all(self, seqs: list[Sequence], max_drafts: list[int]) -> tuple[list[int], list[int]]:
         """Per sequence, the drafts it gets this step and the tokens queued to feed its draft state;
-        the shortest catch-ups go first under ``budget`` tokens."""
+        the shortest catch-ups go first under ``max_catch_up_tokens``."""
         ks, fed = [0] * len(seqs), [0] * len(seqs)
+        budget = self.max_catch_up_tokens
         for i in sorted(range(len(seqs)), key=lambda i: self._unseen(seqs[i])):
             ks[i], fed[i] = self._catch_up(seqs[i], max_drafts[i], budget)
             budget -= fed[i]

@@ -18,7 +18,7 @@ class NgramProposer:
         self.min_n, self.max_n, self.k = min_n, max_n, k
         self.device = device
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], trial: bool = False) -> Proposal:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         longest = max(len(s) for s in seqs)
         tokens = torch.full((len(seqs), longest), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, L]
         for i, s in enumerate(seqs):

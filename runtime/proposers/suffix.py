@@ -209,7 +209,7 @@ class SuffixProposer:
         self.cached_outputs: deque[list[int]] = deque()  # oldest first
         self.own: dict[int, _OwnIndex] = {}  # by seq_id
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], trial: bool = False) -> Proposal:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         return Proposal([self._propose_one(seq, k) for seq, k in zip(seqs, max_drafts)])
 
     def finished(self, seq: Sequence) -> None:
