@@ -133,10 +133,18 @@ def test_goodput_skips_measuring_a_k_that_cannot_win():
 
 def test_goodput_never_explores_in_a_step_with_a_prefill_chunk():
     """A mixed step is not costed: it takes the best measured K of its bucket, else of the nearest
-    bucket measured, else K (presumed to pay until measured); it counts toward no probe."""
+    bucket measured, else 0 (drafts there compete with the chunk); it counts toward no probe."""
+    lc = LoadController(LoadControl(goodput=True, reprobe_steps=2), num_speculative_tokens=4)
+    assert lc.budget(8, 8, prefill=True) == 0  # acceptance unknown
+    learn_acceptance(lc, [4])
+    assert lc.budget(8, 8, prefill=True) == 0  # nothing measured anywhere
+    for _ in range(MIN_STEPS):
+        lc.costs.observe(8, 4, 0.3 * 8)
+    assert lc.budget(8, 8, prefill=True) == 0  # K = 4 measured, but not K = 0 it must beat
+    assert decode_steps(lc, [0.05, 0.06, 0.06, 0.06, 0.06], 2 * MIN_STEPS) == [0] * MIN_STEPS + [1] * MIN_STEPS
+    assert lc.budget(8, 8, prefill=True) == 1  # K = 1 measured to win (2 tokens / 0.06 s): mixed steps take it
     lc = LoadController(LoadControl(goodput=True, reprobe_steps=2), num_speculative_tokens=4)
     learn_acceptance(lc, [4])
-    assert lc.budget(8, 8, prefill=True) == 4  # nothing measured anywhere
     costs = [0.05, 0.3, 0.3, 0.3, 0.3]  # scoring drafts so dear that even 5 tokens do not pay
     assert decode_steps(lc, costs, 2 * MIN_STEPS) == [0] * MIN_STEPS + [1] * MIN_STEPS
     assert [lc.budget(8, 8, prefill=True) for _ in range(10)] == [0] * 10  # the bucket's best, no probe

@@ -26,9 +26,12 @@ smallest first, and none whose tokens could not beat the best measured rate even
 the largest smaller K measured (more drafts never make a step cheaper). Where acceptance is low,
 K = 0 and K = 1 are measured and the rest skipped. Steps that carry a prefill chunk are not
 costed (the chunk dominates them), so they never measure: they take the best measured K of this
-batch bucket, or of the nearest bucket measured. That choice is the decode-only one on purpose:
-a draft costs a mixed step what it costs a decode step, and the step's decode part is best spent
-as in a decode step. While K = 0 wins, every ``reprobe_steps`` decode steps one step asks for the
+batch bucket, or of the nearest bucket measured, and K = 0 while nothing is measured. A draft
+costs a mixed step at least what it costs a decode step (its rows also take the chunk's token
+budget, delaying admission), so only a K that has won in decode steps is spent there; presuming
+speculation pays until measured cost a burst of 32 prompts with the draft model 30% (every
+admission step at K = 4, ~90 ms an emitted token against 39 ms without drafts).
+While K = 0 wins, every ``reprobe_steps`` decode steps one step asks for the
 best K > 0 instead, so its cost and the acceptance estimates stay current; each probe that
 confirms K = 0 doubles the interval (up to ``MAX_BACKOFF`` times), so a probe's extra cost
 vanishes where speculation does not pay.
@@ -151,15 +154,15 @@ class LoadController:
         return self.k if not self.cfg.batch_size_table else 0
 
     def _goodput(self, batch_size: int, k_max: int, prefill: bool) -> int:
-        """The K ≤ k_max with the most expected tokens per second: k_max until acceptance is
-        measured; in a decode-only step, first each K that could still win (``_worth_measuring``);
+        """The K ≤ k_max with the most expected tokens per second: in a step with a ``prefill``
+        chunk, the best measured (``_measured_best``); in a decode-only step, k_max until acceptance
+        is measured, then first each K that could still win (``_worth_measuring``);
         a probe of the best K > 0 every backoff × reprobe_steps decode steps that K = 0 wins."""
+        if prefill:
+            return self._measured_best(batch_size, k_max)
         if not self.positions.known(k_max):
             return k_max
         tokens = self._expected_tokens(k_max)
-        if prefill:
-            rates = _rates(tokens, self.costs.nearest_measured(batch_size, k_max))
-            return max(rates, key=rates.__getitem__) if rates else k_max
         costs = [self.costs.per_sequence(batch_size, k) for k in range(k_max + 1)]
         rates = _rates(tokens, costs)
         unmeasured = _worth_measuring(tokens, costs, max(rates.values(), default=0.0))
@@ -174,6 +177,17 @@ class LoadController:
             return 0
         self.steps_without, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
         return max((k for k in rates if k > 0), key=rates.__getitem__, default=1)
+
+    def _measured_best(self, batch_size: int, k_max: int) -> int:
+        """For a step that carries a prefill chunk: the best measured K of this batch bucket (or of
+        the nearest measured one), 0 until acceptance and K = 0's cost there are known. Drafts in
+        such a step are dearer than in a decode step (its rows compete with the chunk for the
+        token budget and compute), so only a K that has beaten K = 0 in decode steps is worth them."""
+        costs = self.costs.nearest_measured(batch_size, k_max)
+        if not self.positions.known(k_max) or costs[0] is None:
+            return 0
+        rates = _rates(self._expected_tokens(k_max), costs)
+        return max(rates, key=rates.__getitem__)
 
     def _expected_tokens(self, k_max: int) -> list[float]:
         """For k = 0..k_max, the tokens a sequence emits in a step that asks it for k drafts:
