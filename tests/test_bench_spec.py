@@ -1,6 +1,7 @@
 """``specdecode bench --method``: prompt sets, system list, acceptance math, output checks, and a
 tiny end-to-end run (ours with n-gram + transformers' prompt lookup, real subprocesses). No
 timing is asserted: the machine is noisy."""
+import argparse
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from specdecode.runtime.bench import acceptance, command, correctness, datasets,
 from specdecode.runtime.bench.ours import counts_since, truncate
 from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
 from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, NOSPEC, PEER_PLAIN, build_systems
+from specdecode.runtime.config import BatchSizeRule, LoadControl
 from specdecode.runtime.engine.sequence import SpecCounts
 
 
@@ -74,6 +76,23 @@ def test_system_list():
     assert [s.name for s in build_systems(["none"], 4, None, [1], with_peer=False)] == [NOSPEC]
     with pytest.raises(ValueError, match="draft_model"):
         build_systems(["draft"], 4, None, [1])
+
+
+def test_load_control_option_sets_the_lc_systems_and_refuses_a_bad_one(capsys):
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert parser.parse_args([]).load_control == LOAD_CONTROL_ON
+    text = '{"goodput": true, "batch_size_table": [{"max_batch_size": 8, "num_speculative_tokens": 2}]}'
+    chosen = parser.parse_args(["--load-control", text]).load_control
+    table = (BatchSizeRule(max_batch_size=8, num_speculative_tokens=2),)
+    assert chosen == LoadControl(goodput=True, batch_size_table=table)
+    systems = {s.name: s for s in build_systems(["ngram"], 4, None, [1, 8], load_control=chosen)}
+    assert systems["ours-ngram+lc"].speculative["load_control"] == chosen.model_dump(mode="json")
+    assert systems["ours-ngram"].speculative["load_control"]["batch_size_table"] == []
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--load-control", '{"reprobe_steps": 0}'])
+    assert exc.value.code == 2
+    assert "--load-control" in capsys.readouterr().err
 
 
 def test_acceptance_math():

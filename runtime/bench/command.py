@@ -25,7 +25,7 @@ from specdecode.runtime.bench.prompts import PROMPT_SET_NAMES, load_prompts
 from specdecode.runtime.bench.records import Job, SystemResult, Truncation, write_json
 from specdecode.runtime.bench.schedule import BUSY_CORES
 from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, METHODS, NOSPEC, PEER_PLAIN, System, build_systems
-from specdecode.runtime.config import LoadConfig, SpeculativeConfig
+from specdecode.runtime.config import LoadConfig, LoadControl, SpeculativeConfig
 from specdecode.runtime.models import aliases
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--skip-peer", action="store_true", help="run ours only (no transformers, no cross-check)")
+    parser.add_argument("--load-control", type=_load_control, default=LOAD_CONTROL_ON,
+                        help="the +lc systems' load_control JSON, e.g. '{\"goodput\": true, \"batch_size_table\": "
+                             "[{\"max_batch_size\": 8, \"num_speculative_tokens\": 4}]}' [%s]"
+                             % LOAD_CONTROL_ON.model_dump_json(exclude_defaults=True))
+
+
+def _load_control(text: str) -> LoadControl:
+    try:
+        return LoadControl.model_validate_json(text)
+    except ValueError as exc:  # pydantic's ValidationError names the field and what it must be
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         print("bench: --runs, --max-tokens and --concurrency must be >= 1; --busy-retries, --quiet-wait >= 0", file=sys.stderr)
         return 2
     try:
-        systems = build_systems(args.method, args.num_speculative_tokens, args.draft_model, args.concurrency, not args.skip_peer)
+        systems = build_systems(args.method, args.num_speculative_tokens, args.draft_model, args.concurrency,
+                                not args.skip_peer, args.load_control)
         job = _base_job(args)
         _check_models_installed(args.model, args.draft_model if "draft" in args.method else None)
     except (FileNotFoundError, ValueError) as exc:  # MissingData is a FileNotFoundError
@@ -221,7 +233,7 @@ def _write_outputs(
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(results.values()),
         "machine": _machine(job.threads),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not callable(v)},
+        "config": {k: _jsonable(v) for k, v in vars(args).items() if not callable(v)},
         "method": {
             "ours": "in-process LLMEngine, closed loop (c requests in flight), greedy, ignore_eos, prefix caching off",
             "transformers": "generate(): c=1 one prompt at a time; c>1 one left-padded batch per group of c; "
@@ -234,7 +246,7 @@ def _write_outputs(
                           f"round; a timed run during which other processes used > {BUSY_CORES} cores is "
                           f"discarded and repeated (up to {job.busy_retries} times)",
             "acceptance": acceptance.__doc__.strip(),
-            "load_control_on": LOAD_CONTROL_ON.model_dump(mode="json"),
+            "load_control_on": args.load_control.model_dump(mode="json"),
         },
         "truncation": {**asdict(truncation), "note": truncation.note()} if truncation else None,
         "prompts": job.prompts,
@@ -252,6 +264,12 @@ def _write_outputs(
     acc_path = out_dir / f"bench-{slug}-acceptance.png"
     acceptance.plot_per_position(curves, args.num_speculative_tokens, acc_path, title)
     return json_path, png_path, acc_path
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    return value.model_dump(mode="json") if isinstance(value, LoadControl) else value
 
 
 def _versions(results) -> dict[str, object]:

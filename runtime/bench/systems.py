@@ -5,8 +5,9 @@ For ``--method M…`` the systems are, in the order they run (one subprocess eac
 - ``ours-nospec``: our engine without speculation — every speedup's baseline;
 - ``ours-M``: our engine with method M, K = ``--num-speculative-tokens``, load control off
   (K at every batch size, no acceptance floor);
-- ``ours-M+lc``: the same with ``LOAD_CONTROL_ON``, at the concurrencies above 1 only (load
-  control exists for load: "≥ 0.98× of no-spec under load" is what it is judged on);
+- ``ours-M+lc``: the same with ``--load-control`` (default ``LOAD_CONTROL_ON``), at the
+  concurrencies above 1 only (load control exists for load: "≥ 0.98× of no-spec under load" is
+  what it is judged on);
 - ``transformers-prompt-lookup`` (for ngram and suffix: transformers has no suffix proposer,
   prompt lookup is its nearest) and ``transformers-assisted`` (for draft): concurrency 1 only,
   because transformers' candidate generators support batch size 1 only;
@@ -44,9 +45,11 @@ class System:
 
 
 def build_systems(
-    methods: list[str], k: int, draft_model: str | None, concurrency: list[int], with_peer: bool = True
+    methods: list[str], k: int, draft_model: str | None, concurrency: list[int], with_peer: bool = True,
+    load_control: LoadControl = LOAD_CONTROL_ON,
 ) -> list[System]:
-    """The systems for ``methods`` (``none`` adds nothing: ``ours-nospec`` always runs)."""
+    """The systems for ``methods`` (``none`` adds nothing: ``ours-nospec`` always runs); the
+    ``+lc`` ones run ``load_control``."""
     conc = tuple(sorted(set(concurrency)))
     loaded = tuple(c for c in conc if c > 1)
     spec_methods = list(dict.fromkeys(m for m in methods if m != "none"))
@@ -57,7 +60,7 @@ def build_systems(
         name, peer = f"ours-{method}", f"transformers-{PEER_MODES[method]}"
         ours.append(System(name, "ours", conc, spec.model_dump(mode="json"), peer=peer, self_reference=name))
         if loaded:
-            with_lc = spec.model_copy(update={"load_control": LOAD_CONTROL_ON})
+            with_lc = spec.model_copy(update={"load_control": load_control})
             ours.append(System(f"{name}+lc", "ours", loaded, with_lc.model_dump(mode="json"), peer=peer, self_reference=name))
     if not with_peer:
         return ours
