@@ -20,6 +20,8 @@ from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from specdecode.runtime.bench import acceptance, correctness, report
 from specdecode.runtime.bench.prompts import PROMPT_SET_NAMES, load_prompts
 from specdecode.runtime.bench.records import Job, SystemResult, Truncation, write_json
@@ -267,9 +269,10 @@ def _write_outputs(
 
 
 def _jsonable(value: object) -> object:
+    """An argument as the output JSON records it: paths as text, parsed configs as their JSON."""
     if isinstance(value, Path):
         return str(value)
-    return value.model_dump(mode="json") if isinstance(value, LoadControl) else value
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 def _versions(results) -> dict[str, object]:
