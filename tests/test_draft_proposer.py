@@ -146,6 +146,25 @@ def test_prompt_catch_up_is_chunked_to_the_step_budget(tiny, tiny_draft_dir, tin
     assert engine.stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_goodput_explores_on_the_sequences_with_the_least_catch_up(tiny, tiny_draft_dir, tiny_prompts, tiny_nospec, make_engine, assert_greedy_match):
+    """Goodput measures K > 0 by asking drafts of a few sequences (here 2 of 4): those whose prompts
+    the draft has least to catch up on, so exploring does not feed it every prompt; outputs stay
+    the no-spec ones."""
+    spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": 3, "load_control": {"goodput": True}}
+    engine = make_engine(*tiny, spec=spec)
+    asked: list[list[int]] = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda seqs, caps: asked.append([s.seq_id for s in seqs]) or propose(seqs, caps)
+    got, per_step = run_counting(engine, tiny_prompts, GREEDY)
+    for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
+        assert_greedy_match(tiny[0], prompt, expected, actual)
+    shortest = sorted(range(len(tiny_prompts)), key=lambda i: len(tiny_prompts[i]))[:2]
+    assert sorted(asked[0]) == sorted(shortest)  # K = 0 measured first, then K = 1 asked of these two
+    first_catch_up = next(forwards[0] for forwards in per_step if forwards)
+    assert first_catch_up < sum(len(p) for p in tiny_prompts)  # not every prompt fed
+    assert engine.stats().spec_decode_num_draft_tokens > 0
+
+
 def test_sampled_drafts_follow_the_draft_and_rejection_keeps_the_target(tiny, tiny_draft_dir, make_engine, full_forward, chi_square_p_value):
     """One proposal for many seeds: the first draft token follows the draft's distribution q (which the
     proposal returns), and rejection sampling of it emits tokens that follow the target's p."""

@@ -175,9 +175,10 @@ class LLMEngine:
         if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
             return
         prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
-        k = self.load_control.budget(len(running), len(decoding), prefill)
-        caps = [self._draft_cap(s, k) for s in decoding]
-        chosen = [(s, c) for s, c in zip(decoding, caps) if c > 0]
+        budget = self.load_control.budget(len(running), len(decoding), prefill)
+        asked = self._explorers(decoding, budget.min_sequences) if budget.explore else decoding
+        caps = [self._draft_cap(s, budget.k) for s in asked]
+        chosen = [(s, c) for s, c in zip(asked, caps) if c > 0]
         if not chosen:
             return
         proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
@@ -185,6 +186,16 @@ class LLMEngine:
         for i, ((seq, _), tokens) in enumerate(zip(chosen, proposal.token_ids)):
             seq.draft_token_ids = tokens
             seq.draft_probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]
+
+    def _explorers(self, decoding: list[Sequence], at_least: int) -> list[Sequence]:
+        """Whom a step that measures asks for drafts: every sequence the proposer can draft for
+        without catching up, or, if fewer, the ``at_least`` with the least catch-up — so measuring
+        a draft model never feeds it every sequence's prompt."""
+        catch_up = [self.proposer.catch_up(s) for s in decoding]
+        ready = [s for s, c in zip(decoding, catch_up) if c == 0]
+        if len(ready) >= at_least:
+            return ready
+        return [decoding[i] for i in sorted(range(len(decoding)), key=catch_up.__getitem__)[:at_least]]
 
     def _draft_cap(self, seq: Sequence, k: int) -> int:
         """Drafts worth scoring: never past max_tokens or the context (one slot stays for the bonus)."""

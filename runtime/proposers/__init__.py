@@ -27,6 +27,12 @@ class Proposer(Protocol):
         """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``."""
         ...
 
+    def catch_up(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` (before its last) the proposer must still run through a model before it
+        can draft for it: what asking it for drafts costs beyond the drafts. 0 for proposers that
+        read the tokens directly (n-gram; suffix indexes them in Python, cheap next to a forward)."""
+        ...
+
     def finished(self, seq: Sequence) -> None:
         """A sequence ended (proposers that learn from outputs keep what they need)."""
         ...

@@ -136,15 +136,16 @@ class DraftProposer:
         the shortest catch-ups go first under ``max_catch_up_tokens``."""
         ks, fed = [0] * len(seqs), [0] * len(seqs)
         budget = self.max_catch_up_tokens
-        for i in sorted(range(len(seqs)), key=lambda i: self._unseen(seqs[i])):
+        for i in sorted(range(len(seqs)), key=lambda i: self.catch_up(seqs[i])):
             ks[i], fed[i] = self._catch_up(seqs[i], max_drafts[i], budget)
             budget -= fed[i]
         return ks, fed
 
-    def _unseen(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` its draft state would need fed (an estimate: drafts not yet compared count as seen)."""
+    def catch_up(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` before its last that its draft state would need fed (an estimate: drafts
+        not yet compared count as seen): 0 or 1 after a step that drafted, the prompt for a new sequence."""
         state = self.states.get(seq.seq_id)
-        return len(seq) - (min(state.num_computed_tokens, len(seq) - 1) if state else 0)
+        return len(seq) - 1 - (min(state.num_computed_tokens, len(seq) - 1) if state else 0)
 
     def _catch_up(self, seq: Sequence, cap: int, budget: int) -> tuple[int, int]:
         """Roll ``seq``'s draft state back to its confirmed tokens and queue up to ``budget`` unseen

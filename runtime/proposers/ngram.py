@@ -28,5 +28,8 @@ class NgramProposer:
         drafts, counts = ngram_propose(tokens.to(self.device), lengths.to(self.device), self.min_n, self.max_n, k)
         return Proposal([row[: min(n, cap)] for row, n, cap in zip(drafts.tolist(), counts.tolist(), max_drafts)])
 
+    def catch_up(self, seq: Sequence) -> int:
+        return 0
+
     def finished(self, seq: Sequence) -> None:
         pass

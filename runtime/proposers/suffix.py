@@ -212,6 +212,9 @@ class SuffixProposer:
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         return Proposal([self._propose_one(seq, k) for seq, k in zip(seqs, max_drafts)])
 
+    def catch_up(self, seq: Sequence) -> int:
+        return 0
+
     def finished(self, seq: Sequence) -> None:
         """Drop the sequence's own trie; its generated tokens join the cache trie."""
         self.own.pop(seq.seq_id, None)
