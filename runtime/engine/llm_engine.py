@@ -188,9 +188,9 @@ class LLMEngine:
             seq.draft_probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]
 
     def _explorers(self, decoding: list[Sequence], at_least: int) -> list[Sequence]:
-        """Whom a step that measures asks for drafts: every sequence the proposer can draft for
-        without catching up, or, if fewer, the ``at_least`` with the least catch-up — so measuring
-        a draft model never feeds it every sequence's prompt."""
+        """Whom a step that explores asks for drafts: every sequence the proposer can draft for
+        without catching up, or, if fewer, the ``at_least`` with the least catch-up — so exploring
+        with a draft model never feeds it every sequence's prompt."""
         catch_up = [self.proposer.catch_up(s) for s in decoding]
         ready = [s for s, c in zip(decoding, catch_up) if c == 0]
         if len(ready) >= at_least:
