@@ -106,11 +106,11 @@ def test_step_costs_price_k_per_drafting_sequence_over_the_draft_free_step():
 
 def decode_steps(lc: LoadController, step_cost: list[float], n: int, batch: int = 8) -> list[int]:
     """``n`` decode-only steps at this batch size, K = k costing ``step_cost[k]`` s per sequence
-    asked (over ``step_cost[0]`` for each); a step that explores asks its ``min_sequences``."""
+    asked (over ``step_cost[0]`` for each); a step that explores asks its ``explorers``."""
     ks = []
     for _ in range(n):
         budget = lc.budget(batch, batch)
-        asked = (budget.min_sequences if budget.explore else batch) if budget.k else 0
+        asked = (budget.explorers or batch) if budget.k else 0
         lc.observe_proposal([budget.k] * asked, [budget.k] * asked)
         lc.observe_step(0, batch * step_cost[0] + asked * (step_cost[budget.k] - step_cost[0]))
         ks.append(budget.k)
@@ -120,13 +120,13 @@ def decode_steps(lc: LoadController, step_cost: list[float], n: int, batch: int 
 def test_goodput_measures_each_k_smallest_first_and_only_in_decode_steps():
     lc = LoadController(LoadControl(goodput=True), num_speculative_tokens=2)
     assert decode_steps(lc, [0.05], MIN_STEPS) == [0] * MIN_STEPS  # K = 0 first, acceptance unknown
-    assert lc.budget(8, 8) == Budget(1, explore=True, min_sequences=2)  # 2 tokens, if accepted, could beat 1 / 0.05
+    assert lc.budget(8, 8) == Budget(1, explorers=2)  # 2 tokens, if accepted, could beat 1 / 0.05
     lc.observe_step(512, 5.0)  # a step with a prefill chunk: not a decode step's cost
     assert lc.costs.per_sequence(8, 1) is None
     assert decode_steps(lc, [0.05, 0.075], MIN_STEPS) == [1] * MIN_STEPS
     assert lc.costs.per_sequence(8, 1) == pytest.approx(0.075)  # priced from the two sequences asked
     assert decode_steps(lc, [0.05, 0.075, 0.1], MIN_STEPS) == [2] * MIN_STEPS  # 3 tokens could beat 2 / 0.075
-    assert lc.budget(8, 8) == Budget(2, explore=True, min_sequences=2)  # wins if accepted: learnt on a few
+    assert lc.budget(8, 8) == Budget(2, explorers=2)  # wins if accepted: learnt on a few
     learn_acceptance(lc, [2], k=2)
     assert lc.budget(8, 8) == Budget(2)  # every draft accepted: 3 tokens for 0.1 s wins, asked of all
 
@@ -139,12 +139,12 @@ def test_goodput_explores_on_a_share_of_a_large_batch():
     assert decode_steps(lc, dear, 2 * MIN_STEPS, batch=48) == [0] * MIN_STEPS + [1] * MIN_STEPS
     assert lc.costs.per_sequence(48, 1) == pytest.approx(0.3)
     assert decode_steps(lc, dear, 2, batch=48) == [0, 0]
-    assert lc.budget(48, 48) == Budget(1, explore=True, min_sequences=3)  # the probe explores too
+    assert lc.budget(48, 48) == Budget(1, explorers=3)  # the probe explores too
     assert lc.positions.asked[0] < 16  # all that without acceptance known
     cheap = [0.05, 0.052, 0.2, 0.2, 0.2]
     lc = LoadController(LoadControl(goodput=True), num_speculative_tokens=4)
     assert decode_steps(lc, cheap, 3 * MIN_STEPS, batch=32) == [0] * MIN_STEPS + [1] * MIN_STEPS + [2] * MIN_STEPS
-    assert lc.budget(32, 32) == Budget(1, explore=True, min_sequences=2)
+    assert lc.budget(32, 32) == Budget(1, explorers=2)
     learn_acceptance(lc, [0, 0, 0, 1])
     assert lc.budget(32, 32) == Budget(1)  # 1.25 tokens / 52 ms beats 1 / 50 ms: every sequence asked
 

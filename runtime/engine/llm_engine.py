@@ -176,7 +176,7 @@ class LLMEngine:
             return
         prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
         budget = self.load_control.budget(len(running), len(decoding), prefill)
-        asked = self._explorers(decoding, budget.min_sequences) if budget.explore else decoding
+        asked = self._explorers(decoding, budget.explorers) if budget.explorers else decoding
         caps = [self._draft_cap(s, budget.k) for s in asked]
         chosen = [(s, c) for s, c in zip(asked, caps) if c > 0]
         if not chosen:

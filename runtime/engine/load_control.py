@@ -160,12 +160,11 @@ class PositionStats:
 @dataclass(frozen=True)
 class Budget:
     """This step's drafts: K per sequence asked, and whom to ask — every decoding sequence, or,
-    in a step that measures (``explore``), those the proposer can draft for without catching up
-    and at least ``min_sequences`` of them, least catch-up first."""
+    in a step that explores (``explorers`` > 0), those the proposer can draft for without catching
+    up, and at least ``explorers`` of them, least catch-up first."""
 
     k: int
-    explore: bool = False
-    min_sequences: int = 0
+    explorers: int = 0
 
 
 class LoadController:
@@ -201,7 +200,7 @@ class LoadController:
             return Budget(k)
         k, explore = self._goodput(decoding, k, prefill)
         self.decided = (decoding, k)
-        return Budget(k, explore, min(decoding, max(EXPLORE_MIN, -(-decoding // EXPLORE_SHARE))) if explore else 0)
+        return Budget(k, min(decoding, max(EXPLORE_MIN, -(-decoding // EXPLORE_SHARE))) if explore else 0)
 
     def _table_k(self, batch_size: int) -> int:
         for rule in self.cfg.batch_size_table:
