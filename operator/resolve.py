@@ -8,9 +8,14 @@ prints the same answer.
 Every message starts with the field to change (``spec.resources.gpusPerPod: …``) and says what
 to change it to. Decisions:
 
-- ``mtp`` is refused for now: the runtime has no multi-token-prediction proposer yet. The rule
-  that PP > 1 with ``mtp`` needs the ``mtp-pipeline-parallel`` gate is in place
-  (``mtp_pipeline_rule``) for when the method exists.
+- ``mtp`` drafts with the heads at ``speculative.mtpPath`` (pvc://, file:// or hf://, brought
+  into the pod as ``model.uri`` is) or, unset, with the MTP layers of the model's own checkpoint.
+  Admission cannot look inside a model, so an ``mtp`` spec without ``mtpPath`` is allowed with a
+  warning; a model without MTP layers is refused by the runtime at start, which the status shows
+  (``Degraded``, reason ``RuntimeRefused``).
+- Pipeline parallelism is refused until the runtime has it; with ``mtp`` it also needs the
+  ``mtp-pipeline-parallel`` gate (``mtp_pipeline_rule``). Both rules read the spec as written, so
+  they are reported beside any schema error.
 - ``gates`` (top level) are merged into ``speculative.gates``, which the runtime reads.
 - GPUs per pod default to ``parallelism.tensor``: one pod per pipeline stage, so tensor-only
   layouts are one pod (a Deployment). A divisor of ``tensor`` spreads a stage over several pods;
@@ -30,7 +35,9 @@ from pydantic import ValidationError
 
 from specdecode.operator import names
 from specdecode.operator.spec import (
+    SOURCE_URI_PATTERN,
     IntOrString,
+    ModelLocation,
     ModelScheme,
     SpecDecodeDeploymentSpec,
     in_crd_spelling,
@@ -38,7 +45,6 @@ from specdecode.operator.spec import (
 from specdecode.runtime.config import SpeculativeMethod, VerifyStrategy
 from specdecode.runtime.models.aliases import ALIASES
 
-MTP = "mtp"
 MTP_PIPELINE_GATE = "mtp-pipeline-parallel"
 # Flags the operator renders itself; extraArgs may not set them a second time.
 RENDERED_FLAGS = {
@@ -50,6 +56,7 @@ RENDERED_FLAGS = {
     "--tensor-parallel-size": "spec.parallelism.tensor",
     "--pipeline-parallel-size": "spec.parallelism.pipeline",
 }
+_SOURCE_URI = re.compile(SOURCE_URI_PATTERN)
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PERCENT = re.compile(r"^[0-9]+%$")
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
@@ -138,15 +145,13 @@ def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Re
     errors = _identity_errors(body, name)
     if not isinstance(raw, Mapping):
         return Resolution(None, (*errors, "spec: required"), name=name)
-    unavailable = _unavailable_methods(raw)
-    errors += unavailable
+    errors += _raw_rule_errors(raw)
     try:
         # strict and by alias only, as the API server reads it: "2" is no integer, snake_case no field
         spec = SpecDecodeDeploymentSpec.model_validate_json(
             json.dumps(raw, default=dict), strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
-        said = {e.split(":", 1)[0] for e in unavailable}  # no second message for the same field
-        errors += [e for e in _pydantic_errors(exc) if e.split(":", 1)[0] not in said]
+        errors += _pydantic_errors(exc)
         return Resolution(None, tuple(errors), name=name)
 
     layout, layout_errors = _layout(spec)
@@ -172,8 +177,7 @@ def _identity_errors(body: Mapping[str, Any], name: str) -> list[str]:
     if not _NAME.match(name):
         errors.append("metadata.name: must be lowercase letters, digits and '-', starting with a letter "
                       "(it names the Service)")
-    spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
-    replicas = spec.get("replicas", 1)
+    replicas = _mapping(body, "spec").get("replicas", 1)
     limit = names.max_resource_name_length(replicas if isinstance(replicas, int) else 1)
     if len(name) > limit:
         errors.append(f"metadata.name: at most {limit} characters (the workloads are named "
@@ -181,18 +185,16 @@ def _identity_errors(body: Mapping[str, Any], name: str) -> list[str]:
     return errors
 
 
-def _unavailable_methods(raw: Mapping[str, Any]) -> list[str]:
-    speculative = raw.get("speculative")
-    method = speculative.get("method") if isinstance(speculative, Mapping) else None
-    if method == MTP and MTP not in {m.value for m in SpeculativeMethod}:
-        return ["spec.speculative.method: 'mtp' is not available yet (the runtime has no multi-token-prediction "
-                "proposer); use ngram, suffix or draft"]
-    return []
+def _mapping(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``raw[key]`` if it is a mapping, else empty: a lenient read of a spec as written."""
+    value = raw.get(key)
+    return value if isinstance(value, Mapping) else {}
 
 
-PIPELINE_UNAVAILABLE = ("pipeline parallelism is not available yet (the runtime runs every layer in each rank); "
-                        "set pipeline to 1: tensor parallelism is, in one pod or across pods with "
-                        "resources.gpusPerPod")
+def _strings(raw: Mapping[str, Any], key: str) -> list[str]:
+    """The strings in ``raw[key]`` if it is a list (gates as written)."""
+    value = raw.get(key)
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
 def _path(loc: Iterable[Any]) -> str:
@@ -240,9 +242,8 @@ def _layout(spec: SpecDecodeDeploymentSpec) -> tuple[Layout | None, list[str]]:
 
 def _raw_layout(body: Mapping[str, Any]) -> tuple[int, int, int] | None:
     """(tensor, pipeline, GPUs per pod) of a stored resource, read leniently (it may predate rules)."""
-    spec = body.get("spec") if isinstance(body.get("spec"), Mapping) else {}
-    par = spec.get("parallelism") if isinstance(spec.get("parallelism"), Mapping) else {}
-    res = spec.get("resources") if isinstance(spec.get("resources"), Mapping) else {}
+    spec = _mapping(body, "spec")
+    par, res = _mapping(spec, "parallelism"), _mapping(spec, "resources")
     tensor, pipeline, gpus = par.get("tensor", 1), par.get("pipeline", 1), res.get("gpusPerPod")
     if not all(isinstance(v, int) for v in (tensor, pipeline)) or not isinstance(gpus, (int, type(None))):
         return None
@@ -258,9 +259,14 @@ def _immutable_errors(old: Mapping[str, Any], new: Layout) -> list[str]:
             f"{new.describe()}): put it back, or create a new {names.KIND} and move traffic to it"]
 
 
+PIPELINE_UNAVAILABLE = ("pipeline parallelism is not available yet: it comes in a later release (the runtime "
+                        "runs every layer in each rank); set pipeline to 1: tensor parallelism is available, in one "
+                        "pod or across pods with resources.gpusPerPod")
+
+
 def mtp_pipeline_rule(method: str, pipeline: int, gates: Iterable[str]) -> str | None:
     """PP > 1 with ``mtp`` is experimental: the draft heads sit on the last stage only."""
-    if method == MTP and pipeline > 1 and MTP_PIPELINE_GATE not in set(gates):
+    if method == SpeculativeMethod.MTP.value and pipeline > 1 and MTP_PIPELINE_GATE not in set(gates):
         return (f"spec.parallelism.pipeline: method 'mtp' with pipeline > 1 is experimental; add "
                 f"'{MTP_PIPELINE_GATE}' to spec.gates or set pipeline to 1")
     return None
@@ -269,24 +275,36 @@ def mtp_pipeline_rule(method: str, pipeline: int, gates: Iterable[str]) -> str |
 # -- rules --------------------------------------------------------------------------------------
 
 
+def _raw_rule_errors(raw: Mapping[str, Any]) -> list[str]:
+    """The pipeline rules, read leniently from the spec as written: said even when the schema
+    refuses something else (a value of the wrong type is the schema's to report)."""
+    parallelism, speculative = _mapping(raw, "parallelism"), _mapping(raw, "speculative")
+    pipeline, method = parallelism.get("pipeline", 1), speculative.get("method")
+    if not isinstance(pipeline, int) or pipeline <= 1:
+        return []
+    rule = mtp_pipeline_rule(str(method), pipeline, [*_strings(raw, "gates"), *_strings(speculative, "gates")])
+    return [f"spec.parallelism.pipeline: {PIPELINE_UNAVAILABLE}", *([rule] if rule else [])]
+
+
 def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
     errors: list[str] = []
     location = spec.model.location
     if location.scheme is ModelScheme.ALIAS and location.path.lower() not in ALIASES:
         errors.append(f"spec.model.uri: '{location.path}' is not a packaged model; use one of "
                       f"{sorted(ALIASES)} or a pvc://, file:// or hf:// address")
-    if spec.model.cache_claim and location.scheme is not ModelScheme.HF:
-        errors.append("spec.model.cacheClaim: only hf:// models are downloaded; remove it")
+    mtp_path = spec.speculative.mtp_path
+    if mtp_path is not None and not _SOURCE_URI.match(mtp_path):
+        errors.append("spec.speculative.mtpPath: must be pvc://claim/path, file:///path or hf://org/name (the "
+                      "folder `specdecode train-mtp` wrote, brought into the pod as spec.model.uri is); leave it "
+                      "unset to draft with the MTP layers of the model's own checkpoint")
+    downloads = {location.scheme, *([ModelLocation.parse(mtp_path).scheme] if mtp_path else [])}
+    if spec.model.cache_claim and ModelScheme.HF not in downloads:
+        errors.append("spec.model.cacheClaim: only hf:// sources (model.uri, speculative.mtpPath) are downloaded; "
+                      "remove it")
     draft = spec.speculative.draft_model
     if draft and "://" in draft:
         errors.append("spec.speculative.draftModel: takes a packaged alias or a path inside the pod (mount it with "
                       "spec.pod.volumes and spec.pod.volumeMounts), not an address")
-    if spec.parallelism.pipeline > 1:
-        errors.append(f"spec.parallelism.pipeline: {PIPELINE_UNAVAILABLE}")
-    gates = {*spec.gates, *spec.speculative.gates}
-    rule = mtp_pipeline_rule(spec.speculative.method.value, spec.parallelism.pipeline, gates)
-    if rule:
-        errors.append(rule)
     errors += _rollout_errors(spec)
     for i, arg in enumerate(spec.extra_args):
         flag = arg.split("=", 1)[0]
@@ -331,6 +349,11 @@ def duration_seconds(text: str) -> float:
 
 def _warnings(spec: SpecDecodeDeploymentSpec) -> Iterable[str]:
     speculative = spec.speculative
+    if speculative.method is SpeculativeMethod.MTP and speculative.mtp_path is None:
+        yield ("spec.speculative.mtpPath: unset, so the runtime drafts with the MTP layers of the model's own "
+               "checkpoint; admission cannot look inside spec.model.uri to check that it has them: a model without "
+               "them is refused when the pods start (condition Degraded, reason RuntimeRefused). For a model "
+               "without MTP layers, train heads with `specdecode train-mtp` and set mtpPath")
     if speculative.method is not SpeculativeMethod.NONE and speculative.verify is VerifyStrategy.TOPP:
         yield (f"spec.speculative.verify: 'topp' is lossy: a draft inside the target's top-p mass "
                f"(verifyTopP={speculative.verify_top_p}) is accepted, so outputs can differ from the model's own; "

@@ -27,6 +27,7 @@ class SpeculativeMethod(str, Enum):
     NGRAM = "ngram"
     SUFFIX = "suffix"
     DRAFT = "draft"
+    MTP = "mtp"
 
 
 class VerifyStrategy(str, Enum):
@@ -90,6 +91,14 @@ class SpeculativeConfig(Shared):
     draft_kv_cache_blocks: int | None = Field(
         None, ge=2, description="draft: blocks (of the target's block size) in the draft model's own KV pool; default = the target pool's count"
     )
+    mtp_path: str | None = Field(
+        None, description="mtp: folder of MTP head(s) written by `specdecode train-mtp` (safetensors + config); in a "
+        "SpecDecodeDeployment a pvc://, file:// or hf:// URI of it; unset = the MTP layers of the target's own checkpoint"
+    )
+    draft_vocab_size: int | None = Field(
+        None, ge=0, description="mtp: draft only among the N tokens most frequent in the head's training data "
+        "(EAGLE-3 style; a draft outside them is never proposed); 0 = the full vocabulary; unset = the head's default"
+    )
     verify_top_p: float = Field(0.9, gt=0.0, le=1.0, description="topp: a draft inside this much target mass is accepted")
     suffix_max_depth: int = Field(
         24, ge=2, le=256, description="suffix: longest substring indexed (matched context + drafts); bounds memory per token"
@@ -118,6 +127,8 @@ class SpeculativeConfig(Shared):
             raise ValueError("method 'draft' needs draft_model (a GGUF file, HF folder or alias)")
         if (self.draft_model or self.draft_kv_cache_blocks) and self.method is not SpeculativeMethod.DRAFT:
             raise ValueError(f"draft_model and draft_kv_cache_blocks are only used by method 'draft', not {self.method.value!r}")
+        if (self.mtp_path or self.draft_vocab_size is not None) and self.method is not SpeculativeMethod.MTP:
+            raise ValueError(f"mtp_path and draft_vocab_size are only used by method 'mtp', not {self.method.value!r}")
         unknown = sorted(set(self.gates) - KNOWN_GATES)
         if unknown:
             raise ValueError(f"unknown gates {unknown}; known: {sorted(KNOWN_GATES)}")

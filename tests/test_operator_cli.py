@@ -5,6 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 from specdecode.runtime.cli import main
@@ -13,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 GOOD = str(REPO / "examples" / "smollm2-ngram.yaml")
 DRAFT = str(REPO / "examples" / "qwen-coder-draft.yaml")
 BAD = str(REPO / "examples" / "invalid-mtp.yaml")
+VALID = sorted(p for p in (REPO / "examples").glob("*.yaml") if not p.name.startswith("invalid"))
 
 
 def test_validate_allows_the_examples(capsys):
@@ -21,11 +23,19 @@ def test_validate_allows_the_examples(capsys):
     assert main(["validate", DRAFT]) == 0
 
 
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_every_valid_example_validates_and_renders(path, capsys):
+    assert main(["validate", str(path)]) == 0
+    assert main(["render", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"allowed: {path.stem}\n")
+
+
 def test_validate_refuses_with_what_to_change(capsys):
     assert main(["validate", BAD]) == 1
     out = capsys.readouterr().out
-    assert out.startswith('denied: SpecDecodeDeployment "invalid-mtp" is invalid: spec.speculative.method: ')
-    assert "use ngram, suffix or draft" in out and "spec.speculative.numSpeculativeTokens" in out
+    assert out.startswith('denied: SpecDecodeDeployment "invalid-mtp" is invalid: spec.parallelism.pipeline: ')
+    assert "add 'mtp-pipeline-parallel' to spec.gates" in out  # the gate, named
+    assert "pipeline parallelism is not available yet" in out and "spec.speculative.numSpeculativeTokens" in out
 
 
 def test_validate_json_is_the_admission_response(capsys):

@@ -257,7 +257,7 @@ def test_schema_violations_are_refused_by_the_api_server(cluster: Cluster) -> No
     with pytest.raises(kubernetes.client.ApiException) as refused:
         cluster.create(body)
     assert refused.value.status == 422
-    assert "spec.speculative.method" in refused.value.body and "numSpeculativeTokens" in refused.value.body
+    assert "spec.speculative.numSpeculativeTokens" in refused.value.body  # the schema's part; the rest is resolve's
 
 
 def test_invalid_spec_past_admission_is_reported_not_retried(cluster: Cluster) -> None:

@@ -65,16 +65,48 @@ def test_draft_model_must_be_an_alias_or_a_path():
     assert "spec.speculative.draftModel: takes a packaged alias or a path inside the pod" in message
 
 
-def test_mtp_is_refused_until_the_runtime_has_it():
-    message = refusal(cr(speculative={"method": "mtp"}, parallelism={"pipeline": 2}))
-    assert "spec.speculative.method: 'mtp' is not available yet" in message and "use ngram, suffix or draft" in message
-    assert message.count("spec.speculative.method") == 1  # not the enum error a second time
+@pytest.mark.parametrize("uri", ["pvc://heads/smollm2-mtp", "file:///heads/smollm2-mtp", "hf://org/smollm2-mtp"])
+def test_mtp_with_heads_is_allowed(uri):
+    answer = resolve(cr(speculative={"method": "mtp", "numSpeculativeTokens": 2, "mtpPath": uri,
+                                     "draftVocabSize": 8192}))
+    assert answer.allowed and answer.warnings == ()
+    assert answer.resolved.spec.speculative.mtp_path == uri  # render turns it into the path inside the pod
+
+
+def test_mtp_without_heads_is_allowed_with_a_warning():
+    answer = resolve(cr(speculative={"method": "mtp"}))
+    assert answer.allowed
+    (warning,) = answer.warnings
+    assert warning.startswith("spec.speculative.mtpPath: unset, so the runtime drafts with the MTP layers")
+    assert "refused when the pods start (condition Degraded, reason RuntimeRefused)" in warning
+    assert admission_response(answer) == {"allowed": True, "warnings": [warning]}
+
+
+@pytest.mark.parametrize("uri", ["/heads/smollm2-mtp", "smollm2-135m", "s3://bucket/heads", "pvc://Heads/x", ""])
+def test_mtp_path_must_be_a_pvc_file_or_hf_uri(uri):
+    message = refusal(cr(speculative={"method": "mtp", "mtpPath": uri}))
+    assert "spec.speculative.mtpPath: must be pvc://claim/path, file:///path or hf://org/name" in message
+
+
+@pytest.mark.parametrize("field", [{"mtpPath": "pvc://heads/x"}, {"draftVocabSize": 4096}])
+def test_mtp_fields_need_method_mtp_and_say_so_in_crd_spelling(field):
+    message = refusal(cr(speculative={"method": "ngram", **field}))
+    assert "spec.speculative: mtpPath and draftVocabSize are only used by method 'mtp', not 'ngram'" in message
 
 
 def test_pipeline_parallelism_is_refused_until_the_runtime_has_it():
     message = refusal(cr(parallelism={"tensor": 2, "pipeline": 2}))
-    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet" in message
-    assert "set pipeline to 1" in message
+    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet: it comes in a later release" in message
+    assert "set pipeline to 1" in message and "mtp-pipeline-parallel" not in message
+
+
+def test_mtp_with_pipeline_parallelism_is_refused_naming_the_gate_beside_schema_errors():
+    message = refusal(cr(speculative={"method": "mtp", "numSpeculativeTokens": 32}, parallelism={"pipeline": 2}))
+    assert "add 'mtp-pipeline-parallel' to spec.gates" in message
+    assert "pipeline parallelism is not available yet" in message
+    assert "spec.speculative.numSpeculativeTokens: Input should be less than or equal to 16" in message
+    gated = refusal(cr(speculative={"method": "mtp"}, parallelism={"pipeline": 2}, gates=["mtp-pipeline-parallel"]))
+    assert "mtp-pipeline-parallel" not in gated and "pipeline parallelism is not available yet" in gated
 
 
 def test_mtp_with_pipeline_parallelism_needs_its_gate():
@@ -120,7 +152,7 @@ def test_parallel_group_is_immutable():
 @pytest.mark.parametrize(("spec", "expected"), [
     ({"model": {"uri": "nosuch-model"}}, "spec.model.uri: 'nosuch-model' is not a packaged model; use one of"),
     ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be pvc://claim/path, file:///path, hf://org/name"),
-    ({"model": {"uri": "file:///models/x", "cacheClaim": "c"}}, "spec.model.cacheClaim: only hf:// models"),
+    ({"model": {"uri": "file:///models/x", "cacheClaim": "c"}}, "spec.model.cacheClaim: only hf:// sources"),
     ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout: maxSurge and maxUnavailable are both 0"),
     ({"rollout": {"maxSurge": "150%"}}, "spec.rollout.maxSurge: '150%' must be a whole number or a percentage"),
     ({"rollout": {"steps": [{"weight": 50}, {"weight": 20}]}}, "spec.rollout.steps: weights [50, 20] must increase"),

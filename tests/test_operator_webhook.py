@@ -120,7 +120,8 @@ def test_an_invalid_resource_is_refused_with_what_to_change(webhook: Webhook) ->
     assert answer["status"]["code"] == 422
     message = answer["status"]["message"]
     assert message.startswith(f'{names.KIND} "invalid-mtp" is invalid: ')
-    assert "spec.speculative.method: 'mtp' is not available yet" in message
+    assert "add 'mtp-pipeline-parallel' to spec.gates" in message
+    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet" in message
     assert "spec.speculative.numSpeculativeTokens" in message
 
 
