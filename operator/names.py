@@ -40,6 +40,7 @@ ANNOTATION_PAUSE = f"{GROUP}/pause"  # held while present; removing it resumes
 # -- ports, paths, container and volume names ---------------------------------------------------
 CONTAINER = "runtime"
 FETCH_CONTAINER = "fetch-model"
+FETCH_MTP_CONTAINER = "fetch-mtp"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 RENDEZVOUS_PORT = 29500
@@ -47,6 +48,8 @@ RENDEZVOUS_PORT_NAME = "rendezvous"
 SHM_VOLUME = "dshm"
 MODEL_VOLUME = "model"
 MODEL_MOUNT = "/mnt/models"
+MTP_VOLUME = "mtp"  # speculative.mtpPath
+MTP_MOUNT = "/mnt/mtp"
 
 # -- env read by `specdecode serve` in a multi-pod group (torchrun's names) ----------------------
 ENV_MASTER_ADDR = "MASTER_ADDR"

@@ -20,34 +20,66 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from specdecode.operator import names
 from specdecode.operator.resolve import Resolved
-from specdecode.operator.spec import ModelScheme
+from specdecode.operator.spec import ModelLocation, ModelScheme
 
 Obj = dict[str, Any]
 
-# The init container of hf:// models: huggingface_hub ships with tokenizers in the runtime image.
+# The init container of hf:// sources: huggingface_hub ships with tokenizers in the runtime image.
 FETCH_SCRIPT = ("import sys; from huggingface_hub import snapshot_download; "
                 "snapshot_download(sys.argv[1], local_dir=sys.argv[2])")
+# A container that exits non-zero leaves the end of its log as its termination message when it
+# wrote none itself (the runtime writes its one-line refusal); the operator puts it in status.
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 
 # -- the pod template ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Source:
+    """How a pvc://, file:// or hf:// source (the model, the MTP heads) comes into the pod: a claim
+    is mounted, an hf:// repository fetched by an init container into a volume, a file:// path is
+    used as it is."""
+
+    volume: str
+    mount: str
+    fetch_container: str
+
+
+MODEL = Source(names.MODEL_VOLUME, names.MODEL_MOUNT, names.FETCH_CONTAINER)
+MTP_HEADS = Source(names.MTP_VOLUME, names.MTP_MOUNT, names.FETCH_MTP_CONTAINER)
+
+
+def local_path(location: ModelLocation, source: Source) -> str:
+    """Where ``location`` is inside the pod."""
+    if location.scheme in (ModelScheme.PVC, ModelScheme.HF):
+        return f"{source.mount}/{location.path}"
+    return location.path  # an absolute path (file://) or a packaged alias
+
+
+def _mtp_heads(r: Resolved) -> ModelLocation | None:
+    mtp = r.spec.speculative.mtp_path
+    return ModelLocation.parse(mtp) if mtp else None
+
+
 def model_path(r: Resolved) -> str:
     """What ``--model`` receives inside the pod."""
-    location = r.spec.model.location
-    if location.scheme in (ModelScheme.PVC, ModelScheme.HF):
-        return f"{names.MODEL_MOUNT}/{location.path}"
-    return location.path  # an absolute path (file://) or a packaged alias
+    return local_path(r.spec.model.location, MODEL)
 
 
 def speculative_json(r: Resolved) -> str:
     """``--speculative-config``: snake_case (the runtime's spelling), only what differs from its
-    defaults, so a field added to the runtime later does not change every revision."""
-    return json.dumps(r.spec.speculative.model_dump(mode="json", exclude_defaults=True), separators=(",", ":"))
+    defaults, so a field added to the runtime later does not change every revision; ``mtp_path``
+    is the heads' path inside the pod."""
+    heads = _mtp_heads(r)
+    speculative = r.spec.speculative.model_copy(
+        update={"mtp_path": local_path(heads, MTP_HEADS) if heads else None})
+    return json.dumps(speculative.model_dump(mode="json", exclude_defaults=True), separators=(",", ":"))
 
 
 def runtime_args(r: Resolved) -> list[str]:
@@ -85,28 +117,35 @@ def startup_failure_threshold(r: Resolved) -> int:
     return math.ceil(r.spec.probes.startup_timeout_seconds / r.spec.probes.period_seconds)
 
 
-def _model_volume(r: Resolved) -> tuple[list[Obj], list[Obj], list[Obj]]:
-    """(volumes, runtime mounts, init containers) that bring the model into the pod."""
-    model = r.spec.model
-    location = model.location
-    mount = {"name": names.MODEL_VOLUME, "mountPath": names.MODEL_MOUNT, "readOnly": True}
+def _source_volume(r: Resolved, location: ModelLocation, source: Source) -> tuple[list[Obj], list[Obj], list[Obj]]:
+    """(volumes, runtime mounts, init containers) that bring ``location`` into the pod."""
+    mount = {"name": source.volume, "mountPath": source.mount, "readOnly": True}
     if location.scheme is ModelScheme.PVC:
-        volume = {"name": names.MODEL_VOLUME,
-                  "persistentVolumeClaim": {"claimName": location.claim, "readOnly": True}}
+        volume = {"name": source.volume, "persistentVolumeClaim": {"claimName": location.claim, "readOnly": True}}
         return [volume], [mount], []
     if location.scheme is ModelScheme.HF:
-        source = ({"persistentVolumeClaim": {"claimName": model.cache_claim}} if model.cache_claim
-                  else {"emptyDir": {}})
+        cache = r.spec.model.cache_claim
+        backing = {"persistentVolumeClaim": {"claimName": cache}} if cache else {"emptyDir": {}}
         fetch = {
-            "name": names.FETCH_CONTAINER,
+            "name": source.fetch_container,
             "image": r.spec.image,
             "imagePullPolicy": r.spec.image_pull_policy,
-            "command": ["python", "-c", FETCH_SCRIPT, location.path, model_path(r)],
-            "volumeMounts": [{"name": names.MODEL_VOLUME, "mountPath": names.MODEL_MOUNT}],
+            "command": ["python", "-c", FETCH_SCRIPT, location.path, local_path(location, source)],
+            "volumeMounts": [{"name": source.volume, "mountPath": source.mount}],
+            "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
             **({"env": list(r.spec.pod.env)} if r.spec.pod.env else {}),  # HF_TOKEN, HF_ENDPOINT (a mirror)
         }
-        return [{"name": names.MODEL_VOLUME, **source}], [mount], [fetch]
+        return [{"name": source.volume, **backing}], [mount], [fetch]
     return [], [], []
+
+
+def _source_volumes(r: Resolved) -> tuple[list[Obj], list[Obj], list[Obj]]:
+    """(volumes, runtime mounts, init containers) of the model and, if given, the MTP heads."""
+    heads = _mtp_heads(r)
+    sources = [(r.spec.model.location, MODEL), *([(heads, MTP_HEADS)] if heads else [])]
+    parts = [_source_volume(r, location, source) for location, source in sources]
+    volumes, mounts, init = ([obj for part in parts for obj in part[i]] for i in range(3))
+    return volumes, mounts, init
 
 
 def _group_env(r: Resolved, rank_label: str) -> list[Obj]:
@@ -124,7 +163,7 @@ def _group_env(r: Resolved, rank_label: str) -> list[Obj]:
 def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
     """The pod template of ``r`` before any revision- or group-specific field."""
     spec, pod = r.spec, r.spec.pod
-    volumes, mounts, init = _model_volume(r)
+    volumes, mounts, init = _source_volumes(r)
     ports = [{"name": names.HTTP_PORT_NAME, "containerPort": names.HTTP_PORT, "protocol": "TCP"}]
     if not r.layout.single_pod:
         ports.append({"name": names.RENDEZVOUS_PORT_NAME, "containerPort": names.RENDEZVOUS_PORT, "protocol": "TCP"})
@@ -143,6 +182,7 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "startupProbe": _http_probe("/ready", period, startup_failure_threshold(r)),
         "readinessProbe": _http_probe("/ready", period, failures),
         "livenessProbe": _http_probe("/health", period, failures),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     pod_spec: Obj = {
         **({"initContainers": init} if init else {}),

@@ -86,6 +86,8 @@ LAYOUTS = {
     "pp-sts": dict(parallelism={"tensor": 2, "pipeline": 2}, model={"uri": "pvc://weights/qwen/7b"}),
     "tp-across-pods": dict(parallelism={"tensor": 4}, resources={"gpusPerPod": 2}, model={"uri": "hf://Qwen/Qwen2.5-7B"}),
     "cpu": dict(resources={"gpusPerPod": 0}, model={"uri": "file:///models/smollm2"}),
+    "mtp-hf": dict(model={"uri": "hf://Qwen/Qwen2.5-7B", "cacheClaim": "hf-cache"},
+                   speculative={"method": "mtp", "mtpPath": "hf://org/qwen-mtp", "numSpeculativeTokens": 2}),
 }
 
 
@@ -156,6 +158,56 @@ def test_model_sources():
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}} in hf["volumes"]
     local = runtime(render(resolved(model={"uri": "file:///opt/models/smol.gguf"}))[0])
     assert arg(local, "--model") == "/opt/models/smol.gguf"
+
+
+def mtp_pod(model: str, heads: str, **model_fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod spec, runtime container) of an mtp spec with ``heads`` as mtpPath."""
+    r = resolved(model={"uri": model, **model_fields}, speculative={"method": "mtp", "mtpPath": heads})
+    template = render(r)[0]["spec"]["template"]
+    return template["spec"], runtime(render(r)[0])
+
+
+@pytest.mark.parametrize(("heads", "inside"), [
+    ("pvc://mtp-heads/smollm2-mtp", "/mnt/mtp/smollm2-mtp"),
+    ("hf://org/smollm2-mtp", "/mnt/mtp/org/smollm2-mtp"),
+    ("file:///opt/heads/smollm2-mtp", "/opt/heads/smollm2-mtp"),
+])
+def test_mtp_heads_are_brought_in_as_the_model_is_and_passed_as_a_local_path(heads, inside):
+    pod, container = mtp_pod("smollm2-135m", heads)
+    raw = arg(container, "--speculative-config")
+    assert json.loads(raw) == {"method": "mtp", "mtp_path": inside}
+    assert SpeculativeConfig.model_validate_json(raw).mtp_path == inside  # the runtime reads it back
+    mounted = {"name": "mtp", "mountPath": "/mnt/mtp", "readOnly": True}
+    if heads.startswith("pvc://"):
+        assert {"name": "mtp", "persistentVolumeClaim": {"claimName": "mtp-heads", "readOnly": True}} in pod["volumes"]
+        assert mounted in container["volumeMounts"] and "initContainers" not in pod
+    elif heads.startswith("hf://"):
+        (fetch,) = pod["initContainers"]
+        assert fetch["name"] == names.FETCH_MTP_CONTAINER and fetch["command"][-2:] == ["org/smollm2-mtp", inside]
+        assert fetch["volumeMounts"] == [{"name": "mtp", "mountPath": "/mnt/mtp"}]
+        assert {"name": "mtp", "emptyDir": {}} in pod["volumes"] and mounted in container["volumeMounts"]
+    else:
+        assert all(v["name"] != "mtp" for v in pod["volumes"]) and "initContainers" not in pod
+
+
+def test_model_and_mtp_heads_from_two_sources_get_a_volume_each():
+    pod, container = mtp_pod("pvc://weights/qwen/7b", "pvc://heads/qwen-mtp")
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"model": "weights", "mtp": "heads"}
+    assert arg(container, "--model") == "/mnt/models/qwen/7b"
+    pod, _ = mtp_pod("hf://Qwen/Qwen2.5-7B", "hf://org/qwen-mtp", cacheClaim="hf-cache")
+    assert [c["name"] for c in pod["initContainers"]] == [names.FETCH_CONTAINER, names.FETCH_MTP_CONTAINER]
+    cached = [v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim") == {"claimName": "hf-cache"}]
+    assert cached == ["model", "mtp"]  # one download cache for both
+    pod, _ = mtp_pod("file:///models/qwen", "hf://org/qwen-mtp", cacheClaim="hf-cache")  # the heads alone are hf://
+    assert {"name": "mtp", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+
+
+def test_containers_leave_their_log_tail_as_termination_message():
+    pod, container = mtp_pod("hf://Qwen/Qwen2.5-7B", "hf://org/qwen-mtp")
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert "terminationMessagePath" not in container  # Kubernetes' default, /dev/termination-log
+    assert {c["terminationMessagePolicy"] for c in pod["initContainers"]} == {"FallbackToLogsOnError"}
 
 
 def test_pipeline_parallel_is_a_statefulset_and_headless_service_per_replica():
