@@ -88,14 +88,24 @@ class Verifier:
 
     @staticmethod
     def _draft_probs(rows, which, probs: torch.Tensor) -> torch.Tensor | None:
-        """[S, K, V] draft distributions padded with zeros, or None when every draft is one-hot."""
+        """[S, K, V] draft distributions q, or None when every draft is one-hot.
+
+        In a batch with dense q, a row without draft probabilities (n-gram, suffix) is one-hot on
+        its drafts: a zero q there would accept every draft (p/q = inf). Past a row's drafts, q is
+        zero and never read.
+        """
         if all(rows[i].draft_probs is None for i in which):
             return None
         s, width, vocab = probs.shape
         q = probs.new_zeros(s, width - 1, vocab)
         for b, i in enumerate(which):
-            if rows[i].draft_probs is not None:
-                q[b, : rows[i].draft_probs.shape[0]] = rows[i].draft_probs
+            row = rows[i]
+            if row.draft_probs is not None:
+                q[b, : row.draft_probs.shape[0]] = row.draft_probs
+            elif row.draft_token_ids:
+                num = len(row.draft_token_ids)
+                drafts = torch.tensor(row.draft_token_ids, dtype=torch.long, device=q.device)
+                q[b, torch.arange(num, device=q.device), drafts] = 1.0
         return q
 
     @staticmethod
