@@ -12,7 +12,10 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a fuller waiting queue answers 503")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method":"ngram","num_speculative_tokens":4,"verify":"rejection"}\' '
-                        "(methods: none, ngram; verify: greedy, target_match, rejection, topp — topp is lossy)")
+                        "(methods: none, ngram, suffix, draft, mtp; verify: greedy, target_match, rejection, "
+                        "topp — topp is lossy)")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,25 +125,37 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
                    help="on SIGTERM, wait this long for requests in flight (default 600)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--termination-message-path", default="/dev/termination-log", metavar="FILE",
+                   help="a refusal to start (invalid configuration, a model that cannot be served) is also written "
+                        "here if its folder exists, where Kubernetes reads a container's termination message; "
+                        "'' = nowhere (default %(default)s)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     import logging
+    from pathlib import Path
 
     from pydantic import ValidationError
 
     from specdecode.runtime.config import ServerConfig
-    from specdecode.runtime.server.serve import run_server
+    from specdecode.runtime.server.serve import refuse, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    termination = Path(args.termination_message_path) if args.termination_message_path else None
     try:
         cfg = ServerConfig(engine=engine_config(args), **_set(
             host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
             drain_timeout_s=args.drain_timeout))
     except ValidationError as exc:
-        print(f"specdecode serve: invalid configuration:\n{exc}", file=sys.stderr)
+        refuse(f"specdecode serve: invalid configuration: {_errors_line(exc)}", termination)
         return 2
-    return run_server(cfg, log_level=args.log_level)
+    return run_server(cfg, log_level=args.log_level, termination_message_path=termination)
+
+
+def _errors_line(exc: ValidationError) -> str:
+    """A pydantic ``ValidationError`` as one line: ``field: message; …``."""
+    return "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, "))))
+                     for e in exc.errors())
 
 
 # -- generate -----------------------------------------------------------------------------------

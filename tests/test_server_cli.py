@@ -15,6 +15,7 @@ import pytest
 from local_process import free_port, wait_ready
 
 from specdecode.runtime.cli import build_parser, engine_config, main
+from specdecode.runtime.server.serve import refusal_line
 
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 
@@ -104,7 +105,35 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tiny_hf_model_dir, tm
     assert "drained" in log.read_text()
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--block-size", "0"]])
-def test_invalid_serve_flags_exit_2(argv, capsys):
-    assert main(argv) == 2
-    assert "invalid configuration" in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "said"), [
+    (["serve", "--port", "70000"], "port: Input should be less than or equal to 65535"),
+    (["serve", "--block-size", "0"], "block_size: Input should be greater than or equal to 1"),
+    (["serve", "--speculative-config", '{"method":"draft"}'], "method 'draft' needs draft_model"),
+])
+def test_invalid_serve_flags_exit_2_with_one_line_also_in_the_termination_message(argv, said, tmp_path, capsys):
+    message = tmp_path / "termination-log"
+    assert main([*argv, "--termination-message-path", str(message)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("specdecode serve: invalid configuration: ") and said in line
+    assert message.read_text() == line + "\n"
+
+
+def test_a_model_that_cannot_be_served_is_refused_in_one_line_and_in_the_termination_message(tmp_path):
+    """What the operator reads into the SpecDecodeDeployment's status (Degraded, RuntimeRefused)."""
+    message = tmp_path / "termination-log"
+    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(tmp_path / "nonexistent"),
+           "--termination-message-path", str(message)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()  # no traceback
+    assert line.startswith("specdecode serve: cannot start: model ") and "nonexistent" in line
+    assert message.read_text() == line + "\n"
+
+
+def test_a_refusal_is_written_only_where_a_folder_exists(tmp_path, capsys):
+    missing = tmp_path / "no-such-folder" / "termination-log"
+    assert main(["serve", "--model", str(tmp_path / "nonexistent"), "--termination-message-path", str(missing)]) == 1
+    assert "cannot start" in capsys.readouterr().err and not missing.parent.exists()
+    assert refusal_line(KeyError("model.norm.weight")) == "specdecode serve: cannot start: KeyError: 'model.norm.weight'"
+    assert refusal_line(ValueError("no MTP layers\n in config.json")) == (
+        "specdecode serve: cannot start: no MTP layers in config.json")

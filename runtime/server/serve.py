@@ -4,13 +4,20 @@ On SIGTERM (or Ctrl-C) the server keeps listening but drains: ``/ready`` answers
 balancer stops sending traffic), new generation requests get 503, requests in flight run to the
 end; once none is left — or ``drain_timeout_s`` has passed — uvicorn shuts down and the process
 exits 0. A second signal exits at once.
+
+A model, draft model or MTP heads that cannot be served (``STARTUP_REFUSALS`` while the engine is
+built) is refused in one line, without a traceback, exit code 1; the line also goes to the
+container's termination message file, where the operator reads it into the
+SpecDecodeDeployment's status (``Degraded``, reason ``RuntimeRefused``).
 """
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -19,6 +26,28 @@ from specdecode.runtime.config import ServerConfig
 from specdecode.runtime.server.serving import ServingState
 
 log = logging.getLogger(__name__)
+
+# What building the engine raises for a model, draft model or MTP heads it cannot serve.
+STARTUP_REFUSALS = (ValueError, FileNotFoundError, KeyError)
+EXIT_REFUSED = 1
+
+
+def refuse(line: str, termination_message_path: Path | None) -> None:
+    """Say why serving cannot start: ``line`` on stderr and in the termination message file, if
+    its folder exists (in a pod it does; elsewhere there may be none to write)."""
+    print(line, file=sys.stderr)
+    if termination_message_path is None or not termination_message_path.parent.is_dir():
+        return
+    try:
+        termination_message_path.write_text(line + "\n", encoding="utf-8")
+    except OSError as exc:  # e.g. /dev outside a container, not writable
+        log.debug("termination message not written: %s", exc)
+
+
+def refusal_line(exc: Exception) -> str:
+    """``exc`` as one line: our messages are written for users; a KeyError says only its key."""
+    text = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+    return "specdecode serve: cannot start: " + " ".join(text.split())
 
 
 class DrainingServer(uvicorn.Server):
@@ -54,9 +83,11 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def run_server(cfg: ServerConfig, log_level: str = "info") -> int:
+def run_server(cfg: ServerConfig, log_level: str = "info",
+               termination_message_path: Path | None = None) -> int:
     """Load the model, listen, warm up in the background (``/ready`` turns 200 after), serve, drain;
-    the exit code. A pod of a tensor-parallel group other than node 0 only runs its ranks and probes."""
+    the exit code. A refusal to start also goes to ``termination_message_path``. A pod of a
+    tensor-parallel group other than node 0 only runs its ranks and probes."""
     if cfg.engine.parallel.node_rank > 0:
         from specdecode.runtime.parallel.worker_pod import serve_worker_pod
 
@@ -64,7 +95,12 @@ def run_server(cfg: ServerConfig, log_level: str = "info") -> int:
     from specdecode.runtime.engine.async_engine import AsyncEngine
     from specdecode.runtime.server.app import build_app
 
-    engine = AsyncEngine.from_config(cfg.engine)
+    try:
+        engine = AsyncEngine.from_config(cfg.engine)
+    except STARTUP_REFUSALS as exc:
+        log.debug("refused at start", exc_info=True)  # the traceback, for --log-level debug
+        refuse(refusal_line(exc), termination_message_path)
+        return EXIT_REFUSED
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                             timeout_graceful_shutdown=5, access_log=False)
