@@ -127,3 +127,35 @@ def test_rejection_with_draft_model_distributions_keeps_the_target_distribution(
     accepted_first = sum(v.num_accepted > 0 for v in verdicts) / n
     expected = float(torch.minimum(q[0], logits[0].softmax(-1)).sum())  # P(accept) = Σ min(p, q)
     assert abs(accepted_first - expected) < 0.03
+
+
+def test_logprobs_0_under_speculation_runs_no_top_k_and_returns_no_top_list(sharp, make_engine, full_forward, monkeypatch):
+    """A request asking ``logprobs=0`` beside one asking none: every emitted token (accepted drafts
+    included) carries its target logprob and no top list, and no top-k runs in any step."""
+    model, tok = sharp
+    prompt = tok.encode("a b a b a b")  # the model's greedy output repeats itself: n-gram drafts get accepted
+    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 4})
+    engine.add_request("lp", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0))
+    engine.add_request("none", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=1, ignore_eos=True))
+
+    def no_top_k(*args, **kwargs):
+        raise AssertionError("top-k ran although no request asked for top logprobs")
+
+    monkeypatch.setattr(torch.Tensor, "topk", no_top_k)
+    monkeypatch.setattr(torch, "topk", no_top_k)
+    tokens, logprobs, final = [], [], {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            final[o.request_id] = o
+            if o.request_id == "lp":
+                for d in o.deltas:
+                    tokens += d.token_ids
+                    logprobs += d.logprobs
+            else:
+                assert all(d.logprobs == [] for d in o.deltas)
+    monkeypatch.undo()
+    assert final["lp"].spec.num_accepted_tokens > 0  # logprobs of accepted drafts were really produced
+    assert [lp.token_id for lp in logprobs] == tokens and len(tokens) == 16
+    assert all(lp.top == [] for lp in logprobs)
+    expected = full_forward(model, prompt + tokens).log_softmax(-1)[len(prompt) - 1 : -1]  # [16, V]
+    assert [lp.logprob for lp in logprobs] == pytest.approx(expected.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist(), abs=1e-4)

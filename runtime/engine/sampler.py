@@ -78,19 +78,20 @@ def sampling_probs(
 
 
 def gather_logprobs(
-    raw_logprobs: torch.Tensor,  # [R, V]
-    row_index: list[int],  # which row of raw_logprobs scored each emitted token
+    logits: torch.Tensor,  # [R, V] fp32 raw target logits
+    row_index: list[int],  # which row of logits scored each emitted token
     token_ids: list[int],
     num_top: list[int],
 ) -> list[TokenLogprob]:
-    """The emitted tokens' logprobs and the top alternatives: only the requested columns move."""
+    """The emitted tokens' logprobs and the top alternatives: log-softmax runs over the chosen rows
+    only, top-k only when some token asks for alternatives, and only the requested columns move."""
     if not row_index:
         return []
-    idx = torch.tensor(row_index, device=raw_logprobs.device)
-    chosen_rows = raw_logprobs.index_select(0, idx)
+    idx = torch.tensor(row_index, device=logits.device)
+    chosen_rows = logits.index_select(0, idx).log_softmax(dim=-1)  # [N, V]
     chosen = chosen_rows.gather(1, torch.tensor(token_ids, device=idx.device)[:, None])[:, 0].tolist()
     width = max(num_top)
-    top_vals, top_ids = (chosen_rows.topk(width, dim=-1) if width else (None, None))
+    top_vals, top_ids = chosen_rows.topk(width, dim=-1) if width else (None, None)
     top_vals = top_vals.tolist() if width else []
     top_ids = top_ids.tolist() if width else []
     return [

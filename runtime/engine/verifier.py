@@ -45,8 +45,7 @@ class Verifier:
         logits: torch.Tensor,  # [R, V] fp32 raw target logits, R = Σ row.num_rows in row order
         rows: list[SamplerRow],
     ) -> list[Verdict]:
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        raw = logits  # logprobs come from the raw logits
         logits = logits.clone()
         apply_penalties(logits, rows)
         starts = [0]
@@ -60,7 +59,8 @@ class Verifier:
             self._verify_greedy(logits, rows, starts, width, greedy, out)
         if sampled:
             self._verify_sampled(logits, rows, starts, width, sampled, out)
-        return [self._verdict(r, tokens, starts[i], raw_logprobs) for i, (r, tokens) in enumerate(zip(rows, out))]
+        logprobs = self._logprobs(raw, rows, starts, out)
+        return [Verdict(tokens, len(tokens) - 1, lp) for tokens, lp in zip(out, logprobs)]
 
     def _verify_greedy(self, logits, rows, starts, width, which, out) -> None:
         pad = self._pad_index(rows, starts, width, which, logits.device)  # [G, K+1]
@@ -133,9 +133,22 @@ class Verifier:
             out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
 
     @staticmethod
-    def _verdict(row: SamplerRow, tokens: list[int], start: int, raw_logprobs) -> Verdict:
-        logprobs = []
-        if row.params.logprobs is not None:
-            n = row.params.logprobs
-            logprobs = gather_logprobs(raw_logprobs, [start + j for j in range(len(tokens))], tokens, [n] * len(tokens))
-        return Verdict(tokens, len(tokens) - 1, logprobs)
+    def _logprobs(raw, rows, starts, out) -> list[list[TokenLogprob]]:
+        """Each row's emitted tokens' logprobs, for the requests that asked (empty for the others).
+
+        Only the rows that scored an emitted token of such a request are read: one batch of
+        log-softmax over those rows, and a top-k only when some request asked for alternatives.
+        """
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        per_row: list[list[TokenLogprob]] = [[] for _ in rows]
+        if not asking:
+            return per_row
+        row_index = [starts[i] + j for i in asking for j in range(len(out[i]))]  # row j scored token j
+        token_ids = [t for i in asking for t in out[i]]
+        num_top = [rows[i].params.logprobs for i in asking for _ in out[i]]
+        gathered = gather_logprobs(raw, row_index, token_ids, num_top)
+        at = 0
+        for i in asking:
+            per_row[i] = gathered[at : at + len(out[i])]
+            at += len(out[i])
+        return per_row
