@@ -1,4 +1,6 @@
-"""Block pool and prefix cache: reference counts, hashing, reuse after free, eviction."""
+"""Block pool and prefix cache: reference counts, hashing (SHA-256 chained keys), reuse after free, eviction."""
+import hashlib
+
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.sequence import SamplingParams, Sequence
 
@@ -66,3 +68,39 @@ def test_prefix_caching_off():
     assert bm.admit(seq, [], 5)
     compute_all(bm, seq)
     assert bm.match_prefix([1, 2, 3, 4, 5]) == []
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    return b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+
+
+def test_block_key_is_sha256_of_the_parent_digest_and_the_token_ids():
+    """A cached block's key is a collision-resistant digest chained over every token before it
+    (not Python's hash(), whose collisions poison another request's prefix: CVE-2025-25183)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = [5, 70000, 3, 2**31 + 1, 9, 8, 7, 6, 1]
+    seq = make_seq(tokens)
+    assert bm.admit(seq, [], len(tokens))
+    compute_all(bm, seq)
+    first, second = (bm.block_hash[b] for b in seq.block_table[:2])
+    assert first == hashlib.sha256(bytes(32) + token_bytes(tokens[:4])).digest()
+    assert second == hashlib.sha256(first + token_bytes(tokens[4:8])).digest()
+    assert bm.block_hash[seq.block_table[2]] is None  # not full
+    assert set(bm.cached) == {first, second}
+
+
+def test_a_block_under_another_parent_chain_is_only_a_miss():
+    """Prefix A + X cached; B + X (A ≠ B, one block each) matches nothing, not even X's block, and
+    caching B + X gives its X block a key of its own."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    a_x = make_seq([1, 2, 3, 4, 9])
+    assert bm.admit(a_x, [], 5)
+    compute_all(bm, a_x)
+    assert bm.match_prefix([5, 6, 3, 4, 9]) == []
+    assert bm.match_prefix([1, 2, 3, 4, 9]) == a_x.block_table[:2]
+    b_x = make_seq([5, 6, 3, 4, 9], seq_id=1)
+    assert bm.admit(b_x, [], 5)
+    compute_all(bm, b_x)
+    assert bm.block_hash[b_x.block_table[1]] != bm.block_hash[a_x.block_table[1]]
+    assert bm.match_prefix([5, 6, 3, 4, 9]) == b_x.block_table[:2]
+    assert bm.match_prefix([1, 2, 3, 4, 9]) == a_x.block_table[:2]

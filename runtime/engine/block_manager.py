@@ -2,23 +2,35 @@
 
 Terms:
 - *block*: ``block_size`` consecutive token slots of the per-layer KV pools.
-- *full block*: all its slots hold computed K/V of final tokens; it gets a *hash* chained over
-  every token before it, so equal hashes mean equal prefixes.
-- *cached block*: a full block whose hash is registered; a new sequence whose prompt starts
+- *full block*: all its slots hold computed K/V of final tokens; it gets a *key*: SHA-256 over
+  its parent block's key and its own token ids, so the key covers every token before it and
+  equal keys mean equal prefixes. A collision-resistant digest, not Python's ``hash()``: with a
+  chained non-cryptographic hash one request can craft a prompt whose blocks collide with
+  another's and be served its cached K/V (vLLM's CVE-2025-25183).
+- *cached block*: a full block whose key is registered; a new sequence whose prompt starts
   with the same tokens reuses it (reference count + 1) instead of recomputing.
 
-Freed blocks keep their hash and stay reusable until the pool hands them out again, least
+Freed blocks keep their key and stay reusable until the pool hands them out again, least
 recently freed first (an ordered free list), so the cache costs no capacity.
 """
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 
 from specdecode.runtime.engine.sequence import Sequence
 
+ROOT_KEY = bytes(32)  # the parent key of a sequence's first block
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """The 32-byte key of a full block: SHA-256(parent key or ROOT_KEY ‖ token ids as int64 little-endian)."""
+    ids = array("q", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.sha256((parent or ROOT_KEY) + ids.tobytes()).digest()
 
 
 class BlockManager:
@@ -27,9 +39,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash → block id
+        self.cached: dict[bytes, int] = {}  # key → block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
     @property
@@ -87,7 +99,7 @@ class BlockManager:
         return True
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Hash every block of ``seq`` that became full of computed tokens (prefix-cache them)."""
+        """Key every block of ``seq`` that became full of computed tokens (prefix-cache them)."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -103,7 +115,7 @@ class BlockManager:
             self.cached.setdefault(h, block)
 
     def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; blocks nobody holds go to the free list, hash kept."""
+        """Drop ``seq``'s references; blocks nobody holds go to the free list, key kept."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
