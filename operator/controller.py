@@ -1,9 +1,10 @@
 """controller: one reconciliation of a SpecDecodeDeployment, and the operator's configuration.
 
-``reconcile`` reads the resource and its children, asks the pure cores what should be
-(``resolve`` → ``render.revision`` → ``rollout.advance`` → ``reconcile.plan``), then writes the
-children, the status, Events and metrics. Every trigger runs it: the resource's create/update/
-resume (spec changes and command annotations), an event on one of its workloads (readiness), and
+``reconcile`` reads the resource, its children and its runtime pods, asks the pure cores what
+should be (``resolve`` → ``render.revision`` → ``rollout.advance`` → ``reconcile.plan``), then
+writes the children, the status, Events and metrics. Every trigger runs it: the resource's
+create/update/resume (spec changes and command annotations), an event on one of its workloads
+(readiness) or runtime pods (a refusal to start, in their termination message), and
 the analysis daemon every ``analysis.interval`` while a canary exists (``analyze=True`` adds a
 verdict from the canary pods' ``/metrics`` or from Prometheus). Runs of one resource are
 serialised by a lock, and each starts from a fresh read, so concurrent triggers cannot apply a
@@ -42,6 +43,7 @@ from specdecode.operator.reconcile import (
     plan,
     read_status,
     ready_replicas,
+    runtime_refusal,
     scrape_targets,
     status_patch,
 )
@@ -205,10 +207,11 @@ def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDe
     cluster, meta = ctx.cluster, body["metadata"]
     lws = cluster.serves(kube.LEADER_WORKER_SET.api_version)
     existing = cluster.children(r.namespace, r.name)
+    refusal = runtime_refusal(cluster.pods(r.namespace, names.runtime_pod_labels(r.name)))
     verdict = _analyse(ctx, r, status, now, logger, lws=lws) if analyze else None
     desired = revision(r, leader_worker_set=lws)
     t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
-                verdict=verdict, commands=read_commands(meta.get("annotations")))
+                verdict=verdict, commands=read_commands(meta.get("annotations")), refusal=refusal)
     changes = plan(r, desired, t.replicas, existing, stable=t.status.stable_revision,
                    canary=t.status.canary_revision, leader_worker_set=lws)
     warnings = _apply(cluster, body, changes) + _route(cluster, r, t.status.rollout.canary_weight, logger)

@@ -145,6 +145,8 @@ PRINTER_COLUMNS = [
     _column("Method", "string", ".spec.speculative.method", "the proposer method"),
     _column("Acceptance", "number", ".status.acceptance.rate", "last measured draft acceptance rate"),
     _column("Revision", "string", ".status.stableRevision", "the stable revision"),
+    _column("Degraded", "string", '.status.conditions[?(@.type=="Degraded")].reason',
+            "why it is degraded, e.g. RuntimeRefused (AsExpected when it is not)"),
     _column("Canary", "string", ".status.canaryRevision", "the revision being rolled out", priority=1),
     _column("Age", "date", ".metadata.creationTimestamp", "time since creation"),
 ]

@@ -28,6 +28,7 @@ from specdecode.operator.resolve import resolve
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
 WORKLOADS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+RUNTIME_PODS = {names.LABEL_NAME: names.APP, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
 STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
 
 
@@ -84,9 +85,11 @@ async def interval_passed(stopped: kopf.DaemonStopped, seconds: float) -> bool:
 @kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)
 @kopf.on.event("apps", "v1", "statefulsets", labels=WORKLOADS)
 @kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=WORKLOADS)
+@kopf.on.event("v1", "pods", labels=RUNTIME_PODS)
 def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logger: logging.Logger,
                      **_: Any) -> None:
-    """A workload's readiness moves the rollout on (and a deleted one is made again)."""
+    """A workload's readiness moves the rollout on (and a deleted one is made again); a runtime
+    pod that refuses to start, or starts again, shows in the status."""
     controller.reconcile(memo.ctx, namespace, labels[names.LABEL_INSTANCE], logger)
 
 

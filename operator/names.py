@@ -69,6 +69,11 @@ def selector_labels(name: str) -> dict[str, str]:
     return {LABEL_NAME: APP, LABEL_INSTANCE: name}
 
 
+def runtime_pod_labels(name: str) -> dict[str, str]:
+    """The labels every runtime pod of one SpecDecodeDeployment carries, whatever its revision."""
+    return {**selector_labels(name), LABEL_COMPONENT: COMPONENT_RUNTIME}
+
+
 def common_labels(name: str) -> dict[str, str]:
     return {**selector_labels(name), LABEL_MANAGED_BY: MANAGER}
 

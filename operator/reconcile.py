@@ -6,7 +6,8 @@
   came from an older spec that is no longer at hand. A StatefulSet group of such a revision is
   scaled to zero pods rather than deleted, so that a rollback can scale it back.
 - ``ready_replicas``: ready model replicas (whole parallel groups) per revision, as ``advance``
-  takes them; ``scrape_targets``: the canary pods' ``/metrics`` addresses.
+  takes them; ``scrape_targets``: the canary pods' ``/metrics`` addresses; ``runtime_refusal``:
+  why a runtime pod will not start (its termination message), as ``advance`` takes it.
 - ``status_patch`` / ``invalid_status``: the typed status as the merge patch the API takes.
 
 No I/O; ``controller`` does it.
@@ -27,6 +28,9 @@ from specdecode.operator.spec import ConditionStatus, ConditionType, SpecDecodeD
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # apiVersion, kind, name
 INVALID_SPEC = "InvalidSpec"
+# Containers whose non-zero exit is a refusal to serve: the runtime, and the fetch of an hf:// source.
+_OURS = (names.CONTAINER, names.FETCH_CONTAINER, names.FETCH_MTP_CONTAINER)
+MAX_REFUSAL_CHARS = 400  # of the termination message, in a condition message
 _SCALABLE = {"Deployment", "LeaderWorkerSet"}  # one object per revision, replicas = model replicas
 
 
@@ -121,6 +125,45 @@ def scrape_targets(pods: Sequence[Obj]) -> Iterator[tuple[str, str]]:
         if ip and port and ready and not meta.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
             yield meta["name"], f"http://{host}:{port}/metrics"
+
+
+def runtime_refusal(pods: Sequence[Obj]) -> str | None:
+    """Why runtime pods will not start, or None: the termination message of the first (by name) of
+    our containers that exited non-zero and is not running again (terminated, or waiting to
+    restart: CrashLoopBackOff). The runtime writes one line; a log tail (terminationMessagePolicy
+    FallbackToLogsOnError) counts by its last line, where a traceback names the error."""
+    refusals = [line for pod in sorted(pods, key=lambda p: p["metadata"]["name"])
+                if not pod["metadata"].get("deletionTimestamp") and (line := _pod_refusal(pod))]
+    if not refusals:
+        return None
+    more = f" (and {len(refusals) - 1} more pods)" if len(refusals) > 1 else ""
+    return refusals[0] + more
+
+
+def _pod_refusal(pod: Obj) -> str | None:
+    status, meta = pod.get("status") or {}, pod["metadata"]
+    for container in [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]:
+        exited = _failed_exit(container)
+        if container.get("name") in _OURS and exited is not None:
+            revision = _labels(pod).get(names.LABEL_REVISION, "?")
+            return (f"pod {meta['name']} (revision {revision}): {container['name']} exited with code "
+                    f"{exited['exitCode']}: {_said(exited)}")
+    return None
+
+
+def _failed_exit(container: Obj) -> Obj | None:
+    """A container status' last termination, if it failed and the container is not running again."""
+    state = container.get("state") or {}
+    before = (container.get("lastState") or {}).get("terminated") if "waiting" in state else None
+    exited = state.get("terminated") or before
+    return exited if exited and exited.get("exitCode", 0) != 0 else None
+
+
+def _said(exited: Obj) -> str:
+    """The last line of a termination message (or its reason, e.g. OOMKilled), cut to fit a condition."""
+    lines = [line.strip() for line in (exited.get("message") or "").splitlines() if line.strip()]
+    said = lines[-1] if lines else exited.get("reason") or "no message"
+    return said if len(said) <= MAX_REFUSAL_CHARS else said[:MAX_REFUSAL_CHARS - 1] + "…"
 
 
 def _http_port(pod: Obj) -> int | None:

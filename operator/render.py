@@ -202,8 +202,7 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "priorityClassName": pod.priority_class_name,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
-    metadata: Obj = {"labels": {**pod.labels, **names.selector_labels(r.name),
-                                names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}}
+    metadata: Obj = {"labels": {**pod.labels, **names.runtime_pod_labels(r.name)}}
     if pod.annotations:
         metadata["annotations"] = dict(pod.annotations)
     return {"metadata": metadata, "spec": pod_spec}

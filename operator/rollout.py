@@ -1,7 +1,9 @@
 """rollout: the canary state machine over a SpecDecodeDeployment's status. Pure: time is ``now``,
-the cluster is what the shell observed (ready replicas per revision), the analysis is a ``Verdict``.
+the cluster is what the shell observed (ready replicas per revision, why runtime pods refuse to
+start), the analysis is a ``Verdict``.
 
-    advance(status, desired_revision, spec, now=…, ready={revision: n}, verdict=…, commands=…) → Transition
+    advance(status, desired_revision, spec, now=…, ready={revision: n}, verdict=…, commands=…,
+            refusal=…) → Transition
 
 ``Transition.status`` is the whole new status; ``Transition.replicas`` says which workloads exist
 and with how many replicas (a revision left out = delete its workloads); ``Transition.events``
@@ -34,6 +36,10 @@ Semantics:
   ``rollout.canaryWeight``: the weight of the step last reached (0 before the first), so the
   route never sends a step's share to replicas that are not ready yet; replicas still follow
   the step weights, so each revision has the capacity for its share.
+- A runtime pod that refused to start (``refusal``: its termination message, see
+  ``reconcile.runtime_refusal``) sets ``Degraded=True, reason=RuntimeRefused`` with that message,
+  before any other reason to be degraded, and a Warning event when it begins; its replica is not
+  ready, so ``Ready`` follows the replicas. It clears when no pod refuses any more.
 - Commands (annotations in ``names``, value "true"): abort rolls back now (reason ManualAbort);
   promote skips the remaining steps and analysis (phase Promoting, then Promoted once every
   replica runs the canary); pause holds the step while the annotation is present (scaling to
@@ -68,6 +74,7 @@ from specdecode.operator.spec import (
 )
 
 TRUE, FALSE, UNKNOWN = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
+RUNTIME_REFUSED = "RuntimeRefused"
 
 
 class Command(str, Enum):
@@ -192,6 +199,7 @@ class _State:
     acceptance: MeasuredAcceptance | None
     events: list[Event] = field(default_factory=list)
     rolled_back: tuple[str, str] | None = None  # (reason, message) when this call rolled back
+    refusal: str | None = None  # why runtime pods refuse to start, as observed
 
     def update(self, **changes: object) -> None:
         self.rollout = self.rollout.model_copy(update=changes)
@@ -202,11 +210,14 @@ class _State:
 
 def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: SpecDecodeDeploymentSpec, *,
             now: datetime, ready: Mapping[str, int], verdict: Verdict | None = None,
-            commands: frozenset[Command] = frozenset()) -> Transition:
+            commands: frozenset[Command] = frozenset(), refusal: str | None = None) -> Transition:
     """The next status, workloads and events (see the module docstring). ``ready``: ready
-    replicas (whole parallel groups) per revision, as observed; ``commands``: ``read_commands``."""
+    replicas (whole parallel groups) per revision, as observed; ``commands``: ``read_commands``;
+    ``refusal``: ``reconcile.runtime_refusal`` of the resource's pods."""
     state = _State(status.stable_revision, status.canary_revision, status.canary_step, status.rollout,
-                   status.acceptance)
+                   status.acceptance, refusal=refusal)
+    if refusal is not None and not any(c.reason == RUNTIME_REFUSED for c in status.conditions):
+        state.emit(EventType.WARNING, RUNTIME_REFUSED, refusal)
     _follow_spec(state, desired_revision, spec)
     _obey(state, commands, spec)
     if verdict is not None:
@@ -409,7 +420,9 @@ def _desired_conditions(old: Sequence[Condition], s: _State, spec: SpecDecodeDep
                         ) -> dict[ConditionType, tuple[ConditionStatus, str, str]]:
     r = s.rollout
     rolled_back = _rolled_back(old, s)
-    if rolled_back:
+    if s.refusal is not None:
+        degraded = (TRUE, RUNTIME_REFUSED, s.refusal)
+    elif rolled_back:
         degraded = (TRUE, rolled_back[0], f"revision {r.rolled_back_revision} rolled back")
     elif r.consecutive_failures:
         degraded = (TRUE, "AnalysisFailing", r.message)

@@ -108,15 +108,19 @@ class Cluster:
 
     def stand_in_pod(self, name: str, revision: str, port: int) -> None:
         """A ready pod of ``revision`` whose runtime listens on 127.0.0.1:``port``."""
-        labels = {**names.selector_labels(name), names.LABEL_COMPONENT: names.COMPONENT_RUNTIME,
-                  names.LABEL_REVISION: revision}
+        self.runtime_pod(name, revision, {"phase": "Running", "podIP": "127.0.0.1",
+                                          "conditions": [{"type": "Ready", "status": "True"}]}, port)
+
+    def runtime_pod(self, name: str, revision: str, status: dict[str, Any], port: int = names.HTTP_PORT) -> str:
+        """A runtime pod of ``revision`` with ``status``, as the kubelet reports it; its name."""
+        labels = {**names.runtime_pod_labels(name), names.LABEL_REVISION: revision}
         pod = f"{name}-{revision}-stand-in"
         self.core.create_namespaced_pod(NS, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
             "spec": {"containers": [{"name": names.CONTAINER, "image": "stand-in",
                                      "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": port}]}]}})
-        self.core.patch_namespaced_pod_status(pod, NS, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}})
+        self.core.patch_namespaced_pod_status(pod, NS, {"status": status})
+        return pod
 
 
 @pytest.fixture
@@ -274,6 +278,29 @@ def test_invalid_spec_past_admission_is_reported_not_retried(cluster: Cluster) -
     cluster.patch("too-many-gpus", {"spec": {"resources": {"gpusPerPod": 0}}})  # fixed: the operator goes on
     wait_for(lambda: cluster.condition("too-many-gpus", "Ready").get("status") == "True", "Ready=True once fixed")
     assert len(cluster.deployments("too-many-gpus")) == 1
+
+
+def test_a_runtime_that_refuses_to_start_shows_in_status(cluster: Cluster) -> None:
+    """The runtime's termination message (its one-line refusal) becomes Degraded=True, RuntimeRefused."""
+    stable = running_stable(cluster, replicas=1)
+    (deployment,) = cluster.deployments("smollm2-ngram").values()
+    cluster.apps.patch_namespaced_deployment_status(deployment.metadata.name, NS, {"status": {"readyReplicas": 0}})
+    refused = "specdecode serve: cannot start: /mnt/models/smol has no MTP layers; train heads with specdecode train-mtp"
+    crashed = {"name": names.CONTAINER, "image": "stand-in", "imageID": "", "ready": False, "restartCount": 2,
+               "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": refused + "\n"}}}
+    pod = cluster.runtime_pod("smollm2-ngram", stable, {"phase": "Running", "containerStatuses": [crashed]})
+
+    degraded = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "Degraded")).get("reason") == "RuntimeRefused"
+                        and c, "Degraded=True, reason RuntimeRefused")
+    assert degraded["status"] == "True"
+    assert degraded["message"] == f"pod {pod} (revision {stable}): runtime exited with code 1: {refused}"
+    assert cluster.condition("smollm2-ngram", "Ready")["status"] == "False"
+    assert ("Warning", "RuntimeRefused", degraded["message"]) in cluster.events("smollm2-ngram")
+
+    running = {**crashed, "state": {"running": {}}, "ready": True}
+    cluster.core.patch_namespaced_pod_status(pod, NS, {"status": {"containerStatuses": [running]}})  # fixed
+    wait_for(lambda: cluster.condition("smollm2-ngram", "Degraded").get("reason") == "AsExpected", "Degraded cleared")
 
 
 def test_good_canary_is_promoted_step_by_step(cluster: Cluster, stand_ins: list[HttpStandIn]) -> None:

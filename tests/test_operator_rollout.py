@@ -70,9 +70,9 @@ class Operator:
         self.last: Transition | None = None
 
     def tick(self, desired: str, verdict: Verdict | None = None, commands: frozenset[Command] = frozenset(),
-             ready: dict[str, int] | None = None) -> Transition:
+             ready: dict[str, int] | None = None, refusal: str | None = None) -> Transition:
         self.last = advance(self.status, desired, self.spec, now=self.now, ready=self.ready if ready is None else ready,
-                            verdict=verdict, commands=commands)
+                            verdict=verdict, commands=commands, refusal=refusal)
         self.status, self.ready = self.last.status, dict(self.last.replicas)
         self.now += INTERVAL
         return self.last
@@ -100,6 +100,22 @@ def test_first_creation_is_stable_at_once():
     assert (t.status.stable_revision, t.status.canary_revision, t.status.rollout.phase) == ("rev1", None,
                                                                                           RolloutPhase.STABLE)
     assert condition(t.status, ConditionType.READY).reason == "ReplicasNotReady"  # nothing ready yet
+
+
+def test_a_runtime_that_refuses_to_start_degrades_until_it_starts():
+    refused = "pod demo-rev1-x (revision rev1): runtime exited with code 1: specdecode serve: cannot start: no MTP layers"
+    op = Operator(make_spec(replicas=1))
+    t = op.tick("rev1", ready={}, refusal=refused)
+    degraded = condition(t.status, ConditionType.DEGRADED)
+    assert (degraded.status, degraded.reason, degraded.message) == (ConditionStatus.TRUE, "RuntimeRefused", refused)
+    assert condition(t.status, ConditionType.READY).status == ConditionStatus.FALSE
+    assert [(e.type, e.reason, e.message) for e in t.events if e.reason == "RuntimeRefused"] == [
+        (EventType.WARNING, "RuntimeRefused", refused)]
+    again = op.tick("rev1", ready={}, refusal=refused)  # still refusing: no second event, the condition holds
+    assert again.events == () and condition(again.status, ConditionType.DEGRADED) == degraded
+    fixed = op.tick("rev1", ready={"rev1": 1})
+    assert condition(fixed.status, ConditionType.DEGRADED).reason == "AsExpected"
+    assert condition(fixed.status, ConditionType.READY).status == ConditionStatus.TRUE
 
 
 def test_a_canary_is_promoted_step_by_step():
