@@ -287,6 +287,16 @@ def _raw_rule_errors(raw: Mapping[str, Any]) -> list[str]:
 
 
 def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
+    errors = _source_errors(spec) + _rollout_errors(spec)
+    for i, arg in enumerate(spec.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in RENDERED_FLAGS:
+            errors.append(f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it")
+    return errors
+
+
+def _source_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
+    """Where the model, the MTP heads and the draft model come from."""
     errors: list[str] = []
     location = spec.model.location
     if location.scheme is ModelScheme.ALIAS and location.path.lower() not in ALIASES:
@@ -305,11 +315,6 @@ def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
     if draft and "://" in draft:
         errors.append("spec.speculative.draftModel: takes a packaged alias or a path inside the pod (mount it with "
                       "spec.pod.volumes and spec.pod.volumeMounts), not an address")
-    errors += _rollout_errors(spec)
-    for i, arg in enumerate(spec.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in RENDERED_FLAGS:
-            errors.append(f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it")
     return errors
 
 
