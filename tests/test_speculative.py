@@ -42,23 +42,37 @@ def test_speculation_under_chunked_prefill_and_preemption(smollm2, smol_rep, smo
     assert engine.scheduler.num_preemptions > 0 and engine.stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_stops_penalties_and_logprobs_inside_accepted_drafts(smollm2, smol_rep, make_engine, assert_greedy_match):
-    params = SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=0.3, logprobs=3, stop=("(a, b",))
+def test_stops_penalties_and_logprobs_inside_accepted_drafts(smollm2, smol_rep, make_engine, full_forward):
+    """With a frequency penalty, n-gram drafts are accepted and the stop string completes on an
+    accepted draft (the step's later accepted tokens are dropped): tokens, text, stop and logprobs
+    equal the no-spec run's."""
+    stop = "`add` function takes two"  # its second "function takes two numbers and" is drafted from the first
+    params = SamplingParams(max_tokens=32, temperature=0.0, frequency_penalty=0.3, logprobs=3, stop=(stop,))
     results = {}
     for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
         engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec)
         engine.add_request("r", smol_rep[0], params)
-        tokens, text, logprobs, reasons = [], "", [], []
+        tokens, text, logprobs, deltas, steps = [], "", [], [], []
         while engine.has_unfinished():
             for o in engine.step():
+                steps.append((sum(len(d.token_ids) for d in o.deltas), o.spec.num_accepted_tokens))
                 for d in o.deltas:
                     tokens += d.token_ids
                     text += d.text
                     logprobs += d.logprobs
-                    reasons.append(d.finish_reason)
-        results[name] = (tokens, text, logprobs, reasons[-1])
-    (t0, s0, l0, r0), (t1, s1, l1, r1) = results["plain"], results["ngram"]
-    assert t0 == t1 and s0 == s1 and r0 == r1  # penalties change the argmax here: no near-tie excuse needed
+                    deltas.append(d)
+        results[name] = (tokens, text, logprobs, deltas[-1], steps)
+    (t0, s0, l0, d0, _), (t1, s1, l1, d1, steps) = results["plain"], results["ngram"]
+    assert d0.finish_reason == d1.finish_reason == "stop" and d0.stop_reason == d1.stop_reason == stop
+    assert len(t0) < params.max_tokens and stop not in s0 and smollm2.tokenizer.decode(t0).startswith(s0 + stop)
+    assert t0 == t1 and s0 == s1
+    # The stop completed on an accepted draft: the last step accepted at least as many drafts as it
+    # delivered tokens, so the stop token was one of them and what followed it was dropped.
+    (last_tokens, accepted_total), (_, accepted_before) = steps[-1], steps[-2]
+    assert last_tokens >= 2 and accepted_total - accepted_before >= last_tokens, steps
+    # The penalty changed the greedy choice somewhere: no near-tie excuse is needed for t0 == t1.
+    raw = full_forward(smollm2.model, smol_rep[0] + t0)[len(smol_rep[0]) - 1 : -1].argmax(-1)  # [len(t0)]
+    assert raw.tolist() != t0
     assert len(l0) == len(l1) == len(t0)
     for a, b in zip(l0, l1):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
