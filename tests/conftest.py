@@ -376,6 +376,31 @@ def run_all():
     return _run_all
 
 
+def _run_seeded(engine, prompt: list[int], params, n: int):
+    """``n`` requests for one prompt with seeds 0..n-1, run together: (each one's output token
+    ids, their SpecCounts summed)."""
+    import dataclasses
+
+    from specdecode.runtime.engine.sequence import SpecCounts
+
+    for seed in range(n):
+        engine.add_request(str(seed), prompt, dataclasses.replace(params, seed=seed))
+    out: dict[str, list[int]] = {str(seed): [] for seed in range(n)}
+    spec = SpecCounts()
+    while engine.has_unfinished():
+        for o in engine.step():
+            for d in o.deltas:
+                out[o.request_id] += d.token_ids
+            if o.finished:
+                spec.record_counts(o.spec)
+    return [out[str(seed)] for seed in range(n)], spec
+
+
+@pytest.fixture(scope="session")
+def run_seeded():
+    return _run_seeded
+
+
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Upper-tail p-value of Pearson's statistic over the bins with nonzero probability
     (Wilson–Hilferty approximation of the chi-square CDF)."""
@@ -392,6 +417,47 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.fixture(scope="session")
 def chi_square_p_value():
     return _chi_square_p_value
+
+
+def _assert_follows(counts: torch.Tensor, probs: torch.Tensor, min_prob: float = 0.005) -> None:
+    """Samples ``counts`` [V] follow ``probs`` [V]: none where probs is 0; chi-square over the likely
+    tokens, with the rare ones (prob < min_prob) pooled into one bin so every bin expects enough."""
+    assert counts[probs == 0].sum() == 0, f"sampled where the target has no mass: {(counts * (probs == 0)).nonzero().flatten().tolist()}"
+    rare = (probs > 0) & (probs < min_prob)
+    common = probs >= min_prob
+    bins = [(counts[common], probs[common])] + ([(counts[rare].sum()[None], probs[rare].sum()[None])] if rare.any() else [])
+    p_value = _chi_square_p_value(torch.cat([c for c, _ in bins]), torch.cat([p for _, p in bins]))
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e}: counts {counts[probs > 0].tolist()} vs probs {probs[probs > 0].tolist()}"
+
+
+@pytest.fixture(scope="session")
+def assert_follows():
+    return _assert_follows
+
+
+@pytest.fixture(scope="session")
+def assert_next_token_follows_target(full_forward):
+    """``check(model, prompt, outputs, position, params) -> (prefix, num_samples)``.
+
+    ``outputs`` are the token lists of many seeded requests for one prompt. Among those whose
+    first ``position`` tokens are the most frequent such prefix, the token at ``position`` must
+    follow the target's sampling distribution after prompt + prefix (full recompute; the
+    request's temperature, top-k and top-p; no penalties), by chi-square.
+    """
+    from collections import Counter
+
+    from specdecode.runtime.engine.sampler import sampling_probs
+
+    def check(model, prompt: list[int], outputs: list[list[int]], position: int, params) -> tuple[list[int], int]:
+        assert not params.has_penalties and not params.greedy
+        prefixes = Counter(tuple(o[:position]) for o in outputs if len(o) > position)
+        prefix = list(prefixes.most_common(1)[0][0])
+        following = [o[position] for o in outputs if len(o) > position and o[:position] == prefix]
+        probs = sampling_probs(full_forward(model, prompt + prefix)[-1:], [params])[0]  # [V]
+        _assert_follows(torch.bincount(torch.tensor(following), minlength=len(probs)).float(), probs)
+        return prefix, len(following)
+
+    return check
 
 
 # Prompts whose continuations repeat their own text: where n-gram and suffix proposers draft well.

@@ -1,7 +1,6 @@
 """Speculative decoding end to end: greedy equivalence with the no-spec output for every
 lossless strategy, seeded target_match == seeded no-spec sampling, the verifier's sampled
 distribution, per-request override, logprobs, penalties and stops under speculation."""
-import math
 
 import pytest
 import torch
@@ -173,3 +172,26 @@ def test_logprobs_0_under_speculation_runs_no_top_k_and_returns_no_top_list(shar
     assert all(lp.top == [] for lp in logprobs)
     expected = full_forward(model, prompt + tokens).log_softmax(-1)[len(prompt) - 1 : -1]  # [16, V]
     assert [lp.logprob for lp in logprobs] == pytest.approx(expected.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("verify", ["rejection", "target_match"])
+def test_ngram_speculation_keeps_the_target_distribution_of_the_first_three_output_tokens(
+    sharp, make_engine, full_forward, run_seeded, assert_next_token_follows_target, verify
+):
+    """Many seeded requests for one prompt through the engine, n-gram drafts (one-hot q) verified
+    from the second output token on, some accepted and some not: the first, second and third
+    output tokens, each given the most frequent preceding output, follow the target's conditional
+    distribution under the request's temperature and top-k (chi-square, fixed seeds)."""
+    model, tok = sharp
+    prompt = tok.encode("a b a b a b")
+    for _ in range(7):  # the model's own greedy continuation, which loops on one token: plausible drafts
+        prompt.append(int(full_forward(model, prompt)[-1].argmax()))
+    n = 3000
+    params = SamplingParams(max_tokens=4, temperature=0.6, top_k=6, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "verify": verify}
+    engine = make_engine(model, tok, spec=spec, max_seqs=n, budget=8 * n, num_blocks=3 * n)
+    outputs, counts = run_seeded(engine, prompt, params, n)
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts  # drafts accepted and rejected
+    for position in (0, 1, 2):  # 0-based output positions
+        prefix, samples = assert_next_token_follows_target(model, prompt, outputs, position, params)
+        assert samples >= 400, (position, prefix, samples)
