@@ -103,42 +103,56 @@ def test_per_request_override_turns_speculation_off(sharp, make_engine):
     assert final["on"].spec.num_draft_tokens > 0
 
 
+def emitted_at(verdicts, position: int, vocab: int) -> torch.Tensor:  # [V] counts
+    """Counts of the token emitted at ``position`` by the verdicts that got that far (every draft
+    before it accepted): the target's row ``position`` decided it."""
+    tokens = [v.token_ids[position] for v in verdicts if v.num_accepted >= position]
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab).float()
+
+
 @pytest.mark.parametrize("strategy", ["target_match", "rejection", "topp"])
-def test_verifier_first_token_distribution(strategy, chi_square_p_value):
-    """Many independent seeds, one step each: the first emitted token must follow the target's
-    sampling distribution for lossless strategies (drafts are a fixed, often-wrong guess)."""
+def test_verifier_distribution_at_every_draft_position(strategy, chi_square_p_value, assert_follows):
+    """Many independent seeds, one step each, drafts a fixed guess (the first row's runner-up, then
+    each row's favourite; all often rejected): for lossless strategies the token emitted at every
+    position (accepted, recovered or bonus), among the seeds that reached it, follows the target's
+    sampling distribution there."""
     torch.manual_seed(0)
     vocab, k, n = 8, 3, 6000
     logits = torch.randn(k + 1, vocab) * 1.5
-    draft = [int(logits[0].topk(2).indices[1]), 2, 5]  # the runner-up: often rejected, always in topp's set
+    draft = [int(logits[0].topk(2).indices[1])] + [int(logits[j].argmax()) for j in range(1, k)]  # all in topp's set
     params = SamplingParams(temperature=0.9, max_tokens=8)
     rows = [SamplerRow(params, seed, 10, [], list(draft)) for seed in range(n)]
     verifier = Verifier(VerifyStrategy(strategy), verify_top_p=0.9)
     verdicts = verifier(logits.repeat(n, 1), rows)
-    first = torch.tensor([v.token_ids[0] for v in verdicts])
-    counts = torch.bincount(first, minlength=vocab).float()
-    target = (logits[0] / 0.9).softmax(-1)
-    p = chi_square_p_value(counts, target)
-    if strategy == "topp":
-        assert p < 1e-6  # lossy, as documented: it accepts the runner-up whenever it is drafted
-    else:
-        assert p > 1e-3
+    target = (logits / 0.9).softmax(-1)  # [K+1, V]
+    if strategy == "topp":  # lossy, as documented: it accepts the runner-up whenever it is drafted
+        assert chi_square_p_value(emitted_at(verdicts, 0, vocab), target[0]) < 1e-6
+        return
+    for position in range(k + 1):
+        counts = emitted_at(verdicts, position, vocab)
+        assert counts.sum() >= 100, (position, counts.sum())
+        assert_follows(counts, target[position])
 
 
-def test_rejection_with_draft_model_distributions_keeps_the_target_distribution(chi_square_p_value):
-    """Drafts sampled from a dense q (as a draft model proposes): the first token still follows p."""
+def test_rejection_with_draft_model_distributions_keeps_the_target_distribution(assert_follows):
+    """Drafts sampled from a dense q (as a draft model proposes), one q row per position: the token
+    emitted at every position, among the seeds that reached it, follows p there; the first draft is
+    accepted with probability Σ min(p, q)."""
     torch.manual_seed(1)
     vocab, n = 8, 6000
     logits = torch.randn(3, vocab) * 1.5
     q = (torch.randn(2, vocab) * 1.5).softmax(-1)  # [K, V] the draft model's distributions
-    drafts = torch.multinomial(q[0], n, replacement=True)  # first draft ~ q[0], one per request
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True) for j in range(2)], dim=1)  # [n, K], row j ~ q[j]
     params = SamplingParams(temperature=1.0, max_tokens=8)
-    rows = [SamplerRow(params, seed, 10, [], [int(drafts[seed]), 3], q) for seed in range(n)]
+    rows = [SamplerRow(params, seed, 10, [], drafts[seed].tolist(), q) for seed in range(n)]
     verdicts = Verifier(VerifyStrategy.REJECTION, verify_top_p=0.9)(logits.repeat(n, 1), rows)
-    counts = torch.bincount(torch.tensor([v.token_ids[0] for v in verdicts]), minlength=vocab).float()
-    assert chi_square_p_value(counts, logits[0].softmax(-1)) > 1e-3
+    p = logits.softmax(-1)  # [K+1, V]
+    for position in range(3):
+        counts = emitted_at(verdicts, position, vocab)
+        assert counts.sum() >= 300, (position, counts.sum())
+        assert_follows(counts, p[position])
     accepted_first = sum(v.num_accepted > 0 for v in verdicts) / n
-    expected = float(torch.minimum(q[0], logits[0].softmax(-1)).sum())  # P(accept) = Σ min(p, q)
+    expected = float(torch.minimum(q[0], p[0]).sum())  # P(accept) = Σ min(p, q)
     assert abs(accepted_first - expected) < 0.03
 
 
