@@ -10,12 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.runtime.config import LoadConfig, VerifyStrategy
+from specdecode.runtime.config import VerifyStrategy
 from specdecode.runtime.engine.sampler import SamplerRow, sampling_probs
 from specdecode.runtime.engine.sequence import SamplingParams, Sequence
 from specdecode.runtime.engine.verifier import Verifier
 from specdecode.runtime.models import weight_cache
-from specdecode.runtime.models.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LOSSLESS = ["greedy", "target_match", "rejection"]
@@ -38,12 +37,6 @@ def copy_hf_folder(src, dst, weights: dict[str, torch.Tensor], **config_changes)
 def smol_dir(smollm2, smollm2_gguf, cache_dir):
     """SmolLM2 as the HF folder the weight cache holds (loading it as a draft skips dequantization)."""
     return str(weight_cache.lookup(cache_dir, smollm2_gguf, torch.float32))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_hf_model_dir):
-    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
-    return loaded.model, loaded.tokenizer
 
 
 @pytest.fixture(scope="module")

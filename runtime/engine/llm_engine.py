@@ -1,8 +1,10 @@
 """The synchronous engine: add requests, then ``step()`` until they finish.
 
-One step = propose → schedule → score (one target forward over every scheduled token, drafts
-included) → verify → accept (append, check stops) → report deltas. Without a proposer the
-propose step is empty and verification of zero drafts is plain sampling.
+One step = schedule (room for drafts reserved) → propose (drafts for the scheduled decoding
+sequences only) → score (one target forward over every scheduled token, drafts included) →
+verify → accept (append, check stops) → let the proposer observe the forward's hidden states →
+report deltas. Without a proposer the propose step is empty and verification of zero drafts is
+plain sampling.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from specdecode.runtime.engine.sequence import (
     SpecCounts,
 )
 from specdecode.runtime.engine.verifier import Verdict, Verifier
-from specdecode.runtime.proposers import build_proposer
+from specdecode.runtime.proposers import Proposer, build_proposer
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
@@ -89,6 +91,7 @@ class LLMEngine:
         device: torch.device,
         dtype: torch.dtype,
         channel: StepChannel | None = None,  # rank 0 of a tensor-parallel group: sends each step to the others
+        proposer: Proposer | None = None,  # instead of the one ``cfg.speculative`` builds
     ):
         block_size = cfg.cache.block_size
         num_blocks = num_kv_blocks(cfg.cache, model, dtype)
@@ -101,10 +104,10 @@ class LLMEngine:
         spec = cfg.speculative
         if spec.enabled and spec.verify is VerifyStrategy.TOPP:
             log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")
-        self.proposer = build_proposer(
+        self.proposer = proposer or build_proposer(
             spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
             weight_cache_dir=cfg.load.weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
-            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
@@ -144,48 +147,55 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        self._propose()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._draft_caps(), self._propose)
+        self._forget_preempted()
         if not scheduled:
             return []
-        logits = self.runner.execute(scheduled)  # [R, vocab]: the deciding rows
+        out = self.runner.execute(scheduled)
         deciding = [item for item in scheduled if item.samples]
         for item in scheduled:
-            item.seq.draft_token_ids = item.seq.draft_token_ids[: item.num_draft]
-            if item.seq.draft_probs is not None:
-                item.seq.draft_probs = item.seq.draft_probs[: item.num_draft]
             item.seq.num_computed_tokens += item.num_tokens - item.num_draft
         if deciding:
-            verdicts = self.verifier(logits, [self._sampler_row(item.seq) for item in deciding])
+            verdicts = self.verifier(out.logits, [self._sampler_row(item) for item in deciding])
             for item, verdict in zip(deciding, verdicts):
                 self._accept(item, verdict)
+        if self.proposer is not None:
+            self.proposer.observe(scheduled, out.hidden)
         for item in scheduled:
-            item.seq.draft_token_ids, item.seq.draft_probs = [], None
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
-        self.load_control.observe_step(sum(item.num_tokens for item in scheduled) - len(logits), time.perf_counter() - started)
+        self.load_control.observe_step(sum(item.num_tokens for item in scheduled) - len(out.logits), time.perf_counter() - started)
         return self._collect_outputs()
 
-    def _propose(self) -> None:
-        """Ask the proposer for drafts for every running sequence that is decoding."""
+    def _draft_caps(self) -> dict[int, int]:
+        """Drafts each decoding sequence may get this step (by seq_id), from load control and the
+        request's own cap; the scheduler reserves room for them before the proposer is asked."""
         running = self.scheduler.running
         if self.proposer is None or not running:
-            return
+            return {}
         decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
         if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
-            return
+            return {}
         prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
         budget = self.load_control.budget(len(running), len(decoding), prefill)
         asked = self._explorers(decoding, budget.explorers) if budget.explorers else decoding
-        caps = [self._draft_cap(s, budget.k) for s in asked]
-        chosen = [(s, c) for s, c in zip(asked, caps) if c > 0]
-        if not chosen:
+        return {s.seq_id: cap for s in asked if (cap := self._draft_cap(s, budget.k)) > 0}
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> None:
+        """Fill the drafts of the scheduled sequences that have room reserved for them."""
+        asked = [item for item in scheduled if item.num_draft > 0]
+        if not asked:
             return
-        proposal = self.proposer.propose([s for s, _ in chosen], [c for _, c in chosen])
-        self.load_control.observe_proposal([c for _, c in chosen], [len(t) for t in proposal.token_ids])
-        for i, ((seq, _), tokens) in enumerate(zip(chosen, proposal.token_ids)):
-            seq.draft_token_ids = tokens
-            seq.draft_probs = None if proposal.probs is None else proposal.probs[i, : len(tokens)]
+        proposal = self.proposer.propose([item.seq for item in asked], [item.num_draft for item in asked])
+        self.load_control.observe_proposal([item.num_draft for item in asked], [len(t) for t in proposal.token_ids])
+        for i, (item, tokens) in enumerate(zip(asked, proposal.token_ids)):
+            item.set_drafts(tokens, None if proposal.probs is None else proposal.probs[i])
+
+    def _forget_preempted(self) -> None:
+        """Preempted sequences lost their KV: proposers that keep state in the target's slots recompute it."""
+        if self.proposer is not None:
+            for seq in self.scheduler.preempted:
+                self.proposer.preempted(seq)
 
     def _explorers(self, decoding: list[Sequence], at_least: int) -> list[Sequence]:
         """Whom a step that explores asks for drafts: every sequence the proposer can draft for
@@ -254,8 +264,10 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}; reduce the prompt or max_tokens"
             )
 
-    def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        return SamplerRow(seq.params, seq.seed, len(seq), seq.output_token_ids, seq.draft_token_ids, seq.draft_probs)
+    @staticmethod
+    def _sampler_row(item: ScheduledSeq) -> SamplerRow:
+        seq = item.seq
+        return SamplerRow(seq.params, seq.seed, len(seq), seq.output_token_ids, item.draft_token_ids, item.draft_probs)
 
     def _append(self, seq: Sequence, token_id: int, logprob) -> None:
         completion = self.requests[seq.request_id].completions[seq.index]

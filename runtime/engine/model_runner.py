@@ -1,4 +1,5 @@
-"""Owns the KV pools and runs one target forward per step over every scheduled token.
+"""Owns the KV pools and runs one target forward per step over every scheduled token: the logits
+of the rows that decide tokens, and every row's hidden state (what an MTP head drafts from).
 
 All host→device traffic of a step happens in ``prepare``: the flat token batch, positions,
 slot mapping and the attention groups are built on the host and moved once. Under tensor
@@ -8,6 +9,7 @@ KV heads under the same block tables.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,60 +61,87 @@ class ModelRunner:
         self.num_forwards = 0
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward every scheduled token; return the logits of every deciding row: [R, vocab] fp32,
-        R = Σ (num_draft + 1) over the sequences that decide tokens this step, in scheduled order."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        """Forward every scheduled token (rows in scheduled order, each item's ``num_tokens`` rows)."""
         input_ids, batch, sample_rows = self.prepare(scheduled)
         if self.channel is None:
             hidden = self.forward(input_ids, batch)
         else:
             hidden = self.channel.run_step(input_ids, batch, self.forward)
-        return self.model.compute_logits(hidden[sample_rows])
+        return StepOutput(self.model.compute_logits(hidden[sample_rows]), hidden)
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """input_ids: [T] long → hidden states [T, hidden], K/V written into the pools (under inference mode)."""
+        """input_ids: [T] long → hidden states [T, hidden] (pre-norm), K/V written into the pools."""
         self.num_forwards += 1
         return self.model(input_ids, self.kv_pools, batch)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor]:
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
-        spans: list[tuple[int, int, ScheduledSeq]] = []  # (first flat row, count, item)
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            first = len(tokens)
+            seq, start = item.seq, item.start
             num_real = item.num_tokens - item.num_draft
-            tokens += seq.token_ids[start : start + num_real] + seq.draft_token_ids[: item.num_draft]
-            for pos in range(start, start + item.num_tokens):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            spans.append((first, item.num_tokens, item))
+            tokens += seq.token_ids[start : start + num_real] + item.draft_token_ids
             if item.samples:
                 sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
-        short = [s for s in spans if s[1] <= SHORT_QUERY_TOKENS]
-        groups = [self._group(short)] if short else []
-        groups += [self._group([s]) for s in spans if s[1] > SHORT_QUERY_TOKENS]
+        spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
+        batch = build_attention_batch(spans, self.block_size, self.device)
         to = dict(device=self.device, dtype=torch.long)
-        batch = AttentionBatch(torch.tensor(positions, **to), torch.tensor(slots, **to), groups)
         return torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to)
 
-    def _group(self, spans: list[tuple[int, int, ScheduledSeq]]) -> AttentionGroup:
-        q_len = max(count for _, count, _ in spans)
-        num_blocks = max(len(item.seq.block_table) for _, _, item in spans)
-        bsz = len(spans)
-        token_index = torch.zeros(bsz, q_len, dtype=torch.long)
-        query_pos = torch.zeros(bsz, q_len, dtype=torch.long)
-        block_tables = torch.zeros(bsz, num_blocks, dtype=torch.long)
-        for b, (first, count, item) in enumerate(spans):
-            token_index[b, :count] = torch.arange(first, first + count)
-            start = item.seq.num_computed_tokens
-            query_pos[b, :count] = torch.arange(start, start + count)
-            block_tables[b, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
-        token_valid = torch.arange(q_len)[None, :] < torch.tensor([c for _, c, _ in spans])[:, None]
-        valid_rows = token_valid.view(-1).nonzero()[:, 0]
-        key_pos = torch.arange(num_blocks * self.block_size)
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
-        dev = self.device
-        return AttentionGroup(token_index.to(dev), valid_rows.to(dev), block_tables.to(dev), mask.to(dev))
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [R, vocab] fp32: the deciding rows, R = Σ (num_draft + 1) over sampling items
+    hidden: torch.Tensor  # [T, hidden]: every scheduled token's hidden state before the final norm
+
+
+@dataclass
+class Span:
+    """One sequence's tokens in a forward: ``count`` positions from ``start``, KV slots by ``block_table``;
+    its queries never attend the keys at ``hidden_keys`` (positions another MTP module wrote)."""
+
+    block_table: list[int]
+    start: int
+    count: int
+    hidden_keys: tuple[int, ...] = ()
+
+
+def build_attention_batch(spans: list[Span], block_size: int, device: torch.device) -> AttentionBatch:
+    """Positions, KV slots and attention groups for a flat batch of ``spans`` laid out in order:
+    every short span (≤ ``SHORT_QUERY_TOKENS``) in one padded group, each longer one alone."""
+    positions: list[int] = []
+    slots: list[int] = []
+    firsts: list[int] = []
+    for span in spans:
+        firsts.append(len(positions))
+        for pos in range(span.start, span.start + span.count):
+            positions.append(pos)
+            slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
+    placed = list(zip(firsts, spans))
+    short = [p for p in placed if p[1].count <= SHORT_QUERY_TOKENS]
+    groups = [_group(short, block_size, device)] if short else []
+    groups += [_group([p], block_size, device) for p in placed if p[1].count > SHORT_QUERY_TOKENS]
+    to = dict(device=device, dtype=torch.long)
+    return AttentionBatch(torch.tensor(positions, **to), torch.tensor(slots, **to), groups)
+
+
+def _group(placed: list[tuple[int, Span]], block_size: int, device: torch.device) -> AttentionGroup:
+    """One padded SDPA call over spans placed at their first flat row."""
+    q_len = max(span.count for _, span in placed)
+    num_blocks = max(len(span.block_table) for _, span in placed)
+    bsz = len(placed)
+    token_index = torch.zeros(bsz, q_len, dtype=torch.long)
+    query_pos = torch.zeros(bsz, q_len, dtype=torch.long)
+    block_tables = torch.zeros(bsz, num_blocks, dtype=torch.long)
+    for b, (first, span) in enumerate(placed):
+        token_index[b, : span.count] = torch.arange(first, first + span.count)
+        query_pos[b, : span.count] = torch.arange(span.start, span.start + span.count)
+        block_tables[b, : len(span.block_table)] = torch.tensor(span.block_table)
+    token_valid = torch.arange(q_len)[None, :] < torch.tensor([span.count for _, span in placed])[:, None]
+    valid_rows = token_valid.view(-1).nonzero()[:, 0]
+    key_pos = torch.arange(num_blocks * block_size)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
+    for b, (_, span) in enumerate(placed):
+        mask[b, :, :, list(span.hidden_keys)] = False
+    return AttentionGroup(token_index.to(device), valid_rows.to(device), block_tables.to(device), mask.to(device))

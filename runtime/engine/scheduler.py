@@ -2,15 +2,20 @@
 
 Each step the scheduler hands out at most ``max_num_batched_tokens`` tokens: running sequences
 first (one decode token each, or the next chunk of an unfinished prefill), then waiting ones in
-arrival order. When the block pool runs dry, the most recently admitted running sequence is
-*preempted*: its blocks are released and it goes back to the front of the queue to be
+arrival order. A decoding sequence may score draft tokens after its own: the engine gives a cap
+per sequence, the scheduler reserves budget and KV slots for up to that many, the proposer fills
+them, and only then are waiting sequences admitted with the budget left. Under KV pressure the
+drafts shrink first; when even a sequence's own tokens do not fit, the most recently admitted
+running sequence is *preempted*: its blocks are released and it goes back to the front of the queue to be
 recomputed later from its full token list (prompt + what it generated so far), so nothing is
 lost — the prefix cache usually gives most of it back.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from specdecode.runtime.config import SchedulerConfig
 from specdecode.runtime.engine.block_manager import BlockManager
@@ -19,14 +24,40 @@ from specdecode.runtime.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step: ``num_tokens`` computed from position ``start`` on, the last
+    ``num_draft`` of them draft tokens. The scheduler reserves KV slots and token budget for at most
+    the draft cap it was given; the proposer then fills ``draft_token_ids`` (and, for drafts drawn
+    from a distribution, ``draft_probs``) and ``set_drafts`` trims the reservation to what came.
+    Drafts live on this record only, so they never outlive their step."""
+
     seq: Sequence
-    num_tokens: int  # tokens computed this step from seq.num_computed_tokens on, drafts included
-    num_draft: int = 0  # the last num_draft of them are seq.draft_token_ids[:num_draft]
+    num_tokens: int  # tokens computed this step from ``start`` on, drafts included
+    num_draft: int = 0  # the last num_draft of them are draft_token_ids
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # torch [num_draft, V]: the distributions drafts were drawn from; None = one-hot
+    start: int = field(init=False)  # the sequence's num_computed_tokens when scheduled
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so next tokens are decided."""
-        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq)
+        return self.start + self.num_tokens - self.num_draft == len(self.seq)
+
+    @property
+    def decoding(self) -> bool:
+        """A decode step: only the sequence's last (pending) token is new, drafts may follow it."""
+        return self.samples and self.num_tokens - self.num_draft == 1
+
+    def set_drafts(self, token_ids: list[int], probs: Any = None) -> None:
+        """Take the proposer's drafts (at most ``num_draft``), trimming the reservation to them."""
+        if len(token_ids) > self.num_draft:
+            raise ValueError(f"the proposer returned {len(token_ids)} drafts; {self.num_draft} were reserved")
+        self.num_tokens -= self.num_draft - len(token_ids)
+        self.num_draft = len(token_ids)
+        self.draft_token_ids = token_ids
+        self.draft_probs = None if probs is None else probs[: len(token_ids)]
 
 
 class Scheduler:
@@ -37,6 +68,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.preempted: list[Sequence] = []  # preempted during the latest ``schedule``
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,20 +80,33 @@ class Scheduler:
         """Whether a waiting sequence has a free seat in the next step (KV room not checked)."""
         return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(
+        self,
+        draft_caps: Mapping[int, int] | None = None,
+        propose: Callable[[list[ScheduledSeq]], None] | None = None,
+    ) -> list[ScheduledSeq]:
+        """This step's sequences: running ones first, each decoding one with room reserved for up to
+        ``draft_caps[seq_id]`` drafts; then ``propose`` fills the running ones' drafts (trimming
+        what it does not use), and waiting sequences are admitted with the token budget left."""
         budget = self.cfg.max_num_batched_tokens
+        caps = draft_caps or {}
         scheduled: list[ScheduledSeq] = []
+        self.preempted = []
         for seq in list(self.running):
             if seq not in self.running:  # preempted by an earlier sequence of this loop
                 continue
             num = min(len(seq) - seq.num_computed_tokens, budget)
             if num <= 0:
                 continue
-            num_draft = min(len(seq.draft_token_ids), budget - num) if num == len(seq) - seq.num_computed_tokens else 0
-            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num + num_draft):
+            cap = min(caps.get(seq.seq_id, 0), budget - num) if num == len(seq) - seq.num_computed_tokens else 0
+            num_draft = self._reserve(seq, num, cap)
+            if num_draft is None:
                 continue
             scheduled.append(ScheduledSeq(seq, num + num_draft, num_draft))
             budget -= num + num_draft
+        if propose is not None and scheduled:
+            propose(scheduled)
+            budget = self.cfg.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.blocks.match_prefix(seq.token_ids)
@@ -85,13 +130,24 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
-        while not self.blocks.grow(seq, num_tokens):
+    def _reserve(self, seq: Sequence, num: int, num_draft: int) -> int | None:
+        """Grow ``seq``'s blocks for ``num`` tokens and up to ``num_draft`` drafts: the drafts shrink
+        to what the free blocks hold before anyone is preempted, and only the ``num`` tokens
+        themselves preempt others (most recently admitted first). The drafts reserved, or None if
+        ``seq`` itself had to be preempted."""
+        end = seq.num_computed_tokens + num
+        room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size - end
+        if room >= 0:
+            num_draft = min(num_draft, room)
+            if not self.blocks.grow(seq, end + num_draft):
+                raise RuntimeError("the block pool refused the room it reported")
+            return num_draft
+        while not self.blocks.grow(seq, end):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
-                return False
-        return True
+                return None
+        return 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -99,3 +155,4 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted.append(seq)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -124,8 +123,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
-    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
-    draft_probs: Any = None  # torch [len(draft_token_ids), V]: the draft model's distributions, None = one-hot
     spec: SpecCounts = field(default_factory=SpecCounts)
 
     def __len__(self) -> int:

@@ -7,7 +7,7 @@ cut from the full checkpoint tensors as they load.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -71,11 +71,17 @@ class Attention(nn.Module):
         kv_pool: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
     ) -> torch.Tensor:  # [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(q.view(-1, self.num_heads, self.head_dim), batch.positions)
-        k = rope(k.view(-1, self.num_kv_heads, self.head_dim), batch.positions)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x, rope, batch.positions)
         return self.o_proj(paged_attention(q, k, v, kv_pool[0], kv_pool[1], batch, self.scale))
+
+    def project(
+        self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor  # x: [T, hidden], positions: [T]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, heads, hd], k and v [T, kv_heads, hd]
+        """Queries, keys and values with RoPE applied (the attention itself is the caller's)."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(q.view(-1, self.num_heads, self.head_dim), positions)
+        k = rope(k.view(-1, self.num_kv_heads, self.head_dim), positions)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -100,8 +106,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, rope, kv_pool, batch):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_pool, batch)
+    def forward(self, x, rope, kv_pool, batch):  # x: [T, hidden] → [T, hidden]
+        return self.run(x, lambda h: self.self_attn(h, rope, kv_pool, batch))
+
+    def run(self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block around any attention (paged here; dense with its own mask when training MTP heads)."""
+        x = x + attention(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -124,7 +134,8 @@ _FUSED = {
 
 
 class DecoderLM(nn.Module):
-    """Causal LM: ``forward`` returns hidden states, ``compute_logits`` projects selected rows.
+    """Causal LM: ``forward`` returns the residual stream's hidden states (before the final norm),
+    ``compute_logits`` applies the final norm and the LM head to selected rows only.
 
     With ``tp.size > 1`` this is one rank's shard: every rank must run the same forward (the
     row-parallel layers all-reduce); the LM head is replicated.
@@ -145,57 +156,76 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,  # [T] long
         kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K pool, V pool)
         batch: AttentionBatch,
-    ) -> torch.Tensor:  # [T, hidden] after the final norm
+    ) -> torch.Tensor:  # [T, hidden] before the final norm
         x = self.model.embed_tokens(input_ids)
         for layer, kv_pool in zip(self.model.layers, kv_pools):
             x = layer(x, self.rope, kv_pool, batch)
-        return self.model.norm(x)
+        return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] fp32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] pre-norm → [N, vocab] fp32
+        return linear(self.model.norm(hidden), self.lm_head_weight).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]: the LM head, or the tied embedding
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors in (this rank's slice of each), filling the fused q/k/v and
-        gate/up parameters shard by shard."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints still carry a copy of the embedding
-            target, shard = name, None
-            for part, (fused, index) in _FUSED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), index
-                    break
-            if target not in params:
-                raise KeyError(f"unexpected weight {name!r} for {self.config.architecture}")
-            _copy_shard(params[target], self.tp.shard(name, tensor), shard, self._shard_sizes(target))
-            loaded.add(target if shard is None else f"{target}#{shard}")
-        missing = self._expected_keys() - loaded
-        if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-
-    def _shard_sizes(self, param_name: str) -> list[int]:
-        """Row counts of the parts fused in ``param_name`` on this rank."""
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        if ".qkv_proj." in param_name:
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [mlp.intermediate_size, mlp.intermediate_size]
-
-    def _expected_keys(self) -> set[str]:
-        keys = set()
-        for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
-                keys |= {f"{name}#{i}" for i in range(3)}
-            elif ".gate_up_proj." in name:
-                keys |= {f"{name}#{i}" for i in range(2)}
-            else:
-                keys.add(name)
-        return keys
+        gate/up parameters shard by shard; ``lm_head.weight`` of a tied model is skipped (some
+        checkpoints still carry a copy of the embedding)."""
+        tied_copy = self.lm_head is None
+        load_hf_weights(self, ((n, t) for n, t in weights if not (tied_copy and n == "lm_head.weight")),
+                        self.config, self.tp, self.config.architecture)
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+def load_hf_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    cfg: ModelConfig,
+    tp: TensorParallel,
+    what: str,
+) -> None:
+    """Fill ``module``'s parameters from HF-named full tensors (names relative to ``module``): q/k/v
+    and gate/up go shard by shard into the fused ``qkv_proj`` / ``gate_up_proj`` of decoder blocks
+    built from ``cfg`` and ``tp``. Unexpected, missing or misshapen weights raise, naming ``what``."""
+    params = dict(module.named_parameters())
+    sizes = _fused_sizes(cfg, tp)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = name, None
+        for part, (fused, index) in _FUSED.items():
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), index
+                break
+        if target not in params:
+            raise KeyError(f"unexpected weight {name!r} for {what}")
+        fused_sizes = sizes["qkv_proj" if ".qkv_proj." in target else "gate_up_proj"]
+        _copy_shard(params[target], tp.shard(name, tensor), shard, fused_sizes, f"{what}: {name!r}")
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    missing = _expected_keys(module) - loaded
+    if missing:
+        raise KeyError(f"{what}: checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+def _fused_sizes(cfg: ModelConfig, tp: TensorParallel) -> dict[str, list[int]]:
+    """Row counts of the parts fused in each decoder block's qkv_proj and gate_up_proj on this rank."""
+    q, kv = cfg.num_heads // tp.size * cfg.head_dim, cfg.num_kv_heads // tp.size * cfg.head_dim
+    return {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size // tp.size] * 2}
+
+
+def _expected_keys(module: nn.Module) -> set[str]:
+    keys = set()
+    for name, _ in module.named_parameters():
+        if ".qkv_proj." in name:
+            keys |= {f"{name}#{i}" for i in range(3)}
+        elif ".gate_up_proj." in name:
+            keys |= {f"{name}#{i}" for i in range(2)}
+        else:
+            keys.add(name)
+    return keys
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, sizes: list[int], name: str) -> None:
     with torch.no_grad():
         if shard is None:
             dest = param
@@ -203,5 +233,5 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, si
             start = sum(sizes[:shard])
             dest = param.narrow(0, start, sizes[shard])
         if dest.shape != tensor.shape:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
         dest.copy_(tensor)

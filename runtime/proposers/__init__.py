@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.runtime.config import SpeculativeConfig, SpeculativeMethod
+from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from specdecode.runtime.models.decoder import DecoderLM
     from specdecode.runtime.tokenizer import Tokenizer
 
 
@@ -22,20 +24,31 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
-class Proposer(Protocol):
+class Proposer:
+    """What the engine asks of a proposer; the defaults suit proposers that read only token ids."""
+
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
-        """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``."""
-        ...
+        """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``.
+        Called after scheduling, for scheduled decoding sequences only."""
+        raise NotImplementedError
 
     def catch_up(self, seq: Sequence) -> int:
         """Tokens of ``seq`` (before its last) the proposer must still run through a model before it
         can draft for it: what asking it for drafts costs beyond the drafts. 0 for proposers that
         read the tokens directly (n-gram; suffix indexes them in Python, cheap next to a forward)."""
-        ...
+        return 0
+
+    def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """A step's target forward was verified and its tokens accepted: ``hidden`` [T, H] holds
+        every scheduled token's hidden state before the final norm (rows in scheduled order, each
+        item's ``num_tokens`` rows from position ``item.start``); positions below each sequence's
+        ``num_computed_tokens`` are now final. Proposers that draft from hidden states take them here."""
+
+    def preempted(self, seq: Sequence) -> None:
+        """``seq`` lost its KV slots (it will be recomputed from its tokens)."""
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended (proposers that learn from outputs keep what they need)."""
-        ...
 
 
 def build_proposer(
@@ -49,10 +62,14 @@ def build_proposer(
     block_size: int = 16,
     num_blocks: int | None = None,
     max_num_batched_tokens: int | None = None,
+    target: DecoderLM | None = None,
+    target_source: str | None = None,
 ) -> Proposer | None:
     """The configured proposer; ``draft`` also needs the target's dtype, vocabulary size, tokenizer,
     weight cache, KV block size / pool size (its own pool defaults to the target's count) and
-    per-step token budget (its prompt catch-ups are chunked to it)."""
+    per-step token budget (its prompt catch-ups are chunked to it); ``mtp`` the target model, what
+    it was loaded from (``LoadConfig.model``: its checkpoint may carry the MTP layers) and the KV
+    block size / pool size (the heads keep K/V under the target's block tables)."""
     if cfg.method is SpeculativeMethod.NONE:
         return None
     if cfg.method is SpeculativeMethod.NGRAM:
@@ -73,4 +90,10 @@ def build_proposer(
             weight_cache_dir=weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
             max_catch_up_tokens=max_num_batched_tokens,
         )
+    if cfg.method is SpeculativeMethod.MTP:
+        from specdecode.runtime.proposers.mtp import load_mtp_proposer
+
+        if target is None or target_source is None or num_blocks is None:
+            raise ValueError("method 'mtp' needs the target model, where it was loaded from and its KV pool size")
+        return load_mtp_proposer(cfg, target, target_source, block_size=block_size, num_blocks=num_blocks)
     raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")

@@ -21,10 +21,9 @@ Each step, for the sequences asked for drafts:
 
 So a step forwards at most max(budget, (K+1)·B) + (K−1)·B tokens, never the prefix again.
 
-Draft tokens are the argmax for greedy requests; sampled requests draw from the draft's own
-distribution under the request's temperature / top-k / top-p (``sampling_probs``, penalties not
-applied) with a position-keyed uniform (``rng.Stream.DRAFT``), and those distributions are
-returned so rejection sampling is exact. A sequence that does not fit in the draft pool, or past
+Draft tokens are chosen by ``choose_drafts``: the argmax for greedy requests, drawn from the
+draft's own distribution for sampled ones, and those distributions are returned so rejection
+sampling is exact. A sequence that does not fit in the draft pool, or past
 the draft model's context, gets no drafts this step; the step never fails for it.
 """
 from __future__ import annotations
@@ -34,17 +33,15 @@ from pathlib import Path
 
 import torch
 
-from specdecode.kernels.sampling import inverse_cdf_sample
 from specdecode.runtime.config import Device, DType, LoadConfig, SpeculativeConfig
-from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.model_runner import ModelRunner
-from specdecode.runtime.engine.sampler import sampling_probs
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.models.loader import LoadedModel, load_model
-from specdecode.runtime.proposers import Proposal
+from specdecode.runtime.proposers import Proposal, Proposer
+from specdecode.runtime.proposers.drafting import choose_drafts
 from specdecode.runtime.tokenizer import Tokenizer
 
 _DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16}
@@ -59,13 +56,12 @@ class DraftState:
     num_computed_tokens: int = 0  # leading positions with K/V in the draft pool
     num_confirmed: int = 0  # leading positions known equal to the sequence's tokens
     block_table: list[int] = field(default_factory=list)
-    draft_token_ids: list[int] = field(default_factory=list)  # always empty (the runner's draft slot)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     def __init__(
         self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
         max_catch_up_tokens: int,
@@ -110,7 +106,7 @@ class DraftProposer:
         for j in range(max(1, max(ks))):  # j = 0 also feeds the catch-ups that draft nothing yet
             rows = [i for i, k in enumerate(ks) if k > j or (j == 0 and fed[i])]
             states = [self.states[seqs[i].seq_id] for i in rows]
-            logits = self.runner.execute([ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states])  # [len(rows), V]
+            logits = self.runner.execute([ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states]).logits  # [len(rows), V]
             for state in states:
                 state.num_computed_tokens = len(state)
             drafting = [r for r, i in enumerate(rows) if ks[i] > j]
@@ -118,8 +114,8 @@ class DraftProposer:
                 continue
             rows = [rows[r] for r in drafting]
             logits = logits.index_select(0, torch.tensor(drafting, device=logits.device))
-            tokens, q = self._choose(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
-            for i, token in zip(rows, tokens):
+            tokens, q = choose_drafts(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
+            for i, token in zip(rows, tokens.tolist()):
                 self.states[seqs[i].seq_id].token_ids.append(token)
                 drafts[i].append(token)
             if q is not None:
@@ -169,22 +165,6 @@ class DraftProposer:
         state.num_computed_tokens = n
         state.num_confirmed = end
         return k, end - n
-
-    def _choose(
-        self, logits: torch.Tensor, seqs: list[Sequence], j: int, want_probs: bool
-    ) -> tuple[list[int], torch.Tensor | None]:  # logits: [N, V] fp32 → N draft tokens, their distributions [N, V]
-        """Draft token ``j`` of each sequence: argmax if greedy (a one-hot distribution), else sampled
-        from the draft's distribution at its position's uniform."""
-        tokens = logits.argmax(dim=-1)  # [N]
-        q = torch.nn.functional.one_hot(tokens, logits.shape[1]).float() if want_probs else None  # [N, V]
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            q_sampled = sampling_probs(logits.index_select(0, index), [seqs[b].params for b in sampled])  # [S, V]
-            u = [rng.uniform(seqs[b].seed, len(seqs[b]) + j, rng.Stream.DRAFT) for b in sampled]
-            tokens[index] = inverse_cdf_sample(q_sampled, torch.tensor(u, dtype=torch.float32, device=logits.device))
-            q[index] = q_sampled
-        return tokens.tolist(), q
 
 
 def check_same_tokenizer(draft: LoadedModel, target_vocab_size: int, tokenizer: Tokenizer) -> None:

@@ -10,10 +10,10 @@ import torch
 from specdecode.kernels.ngram import ngram_propose
 from specdecode.kernels import PLACEHOLDER_TOKEN_ID
 from specdecode.runtime.engine.sequence import Sequence
-from specdecode.runtime.proposers import Proposal
+from specdecode.runtime.proposers import Proposal, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int, k: int, device: torch.device):
         self.min_n, self.max_n, self.k = min_n, max_n, k
         self.device = device
@@ -27,9 +27,3 @@ class NgramProposer:
         k = max(max_drafts)
         drafts, counts = ngram_propose(tokens.to(self.device), lengths.to(self.device), self.min_n, self.max_n, k)
         return Proposal([row[: min(n, cap)] for row, n, cap in zip(drafts.tolist(), counts.tolist(), max_drafts)])
-
-    def catch_up(self, seq: Sequence) -> int:
-        return 0
-
-    def finished(self, seq: Sequence) -> None:
-        pass

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdecode.runtime.engine.sequence import Sequence
-from specdecode.runtime.proposers import Proposal
+from specdecode.runtime.proposers import Proposal, Proposer
 
 
 class _Node:
@@ -200,7 +200,7 @@ class _OwnIndex:
     text: list[int] = field(default_factory=list)  # the tokens indexed so far (tails point into it)
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     def __init__(self, max_depth: int, max_cached_requests: int, min_token_prob: float):
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
@@ -211,9 +211,6 @@ class SuffixProposer:
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         return Proposal([self._propose_one(seq, k) for seq, k in zip(seqs, max_drafts)])
-
-    def catch_up(self, seq: Sequence) -> int:
-        return 0
 
     def finished(self, seq: Sequence) -> None:
         """Drop the sequence's own trie; its generated tokens join the cache trie."""
