@@ -326,6 +326,39 @@ def smollm2(cache_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny(tiny_hf_model_dir):
+    """The tiny random llama (model, tokenizer) as loaded from its folder (small weights: soft logits)."""
+    from specdecode.runtime.config import LoadConfig
+    from specdecode.runtime.models.loader import load_model
+
+    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def write_random_mtp_head():
+    """``write(model, folder, num_modules=1, seed=0, draft_vocab=True) -> str``: a randomly
+    initialised MTP head for ``model`` saved as ``train-mtp`` saves one (with a draft vocabulary of
+    every token, shuffled, unless ``draft_vocab`` is False). Its drafts are mostly rejected."""
+    from specdecode.runtime.models.mtp import MtpConfig, MtpHead, TargetFingerprint
+    from specdecode.runtime.models.mtp_checkpoint import save_mtp_head
+
+    def write(model, folder, num_modules: int = 1, seed: int = 0, draft_vocab: bool = True) -> str:
+        torch.manual_seed(seed)
+        head = MtpHead(model.config, MtpConfig(num_modules=num_modules, target=TargetFingerprint.of(model, "test")))
+        for module in head.layers:
+            for name, param in module.named_parameters():
+                if not name.endswith("norm.weight"):
+                    torch.nn.init.normal_(param, std=0.1)
+        if draft_vocab:
+            head.draft_vocab_ids = torch.randperm(model.config.vocab_size)
+        save_mtp_head(folder, head, model)
+        return str(folder)
+
+    return write
+
+
+@pytest.fixture(scope="session")
 def sharp(tiny_hf_model_dir):
     """The tiny fixture's tokenizer with a random model whose logits are far from ties."""
     from specdecode.runtime.config import LoadConfig

@@ -31,9 +31,9 @@ from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 
 MAX_TOKENS = 16
-# Rank 0 in a subprocess: one engine with n-gram speculation runs every prompt twice in one batch,
-# once with speculation capped to 0 for the request (plain decoding) and once with it on; prints
-# the token ids and the speculation counters as JSON.
+# Rank 0 in a subprocess: one engine with speculation (n-gram, or MTP heads) runs every prompt twice
+# in one batch, once with speculation capped to 0 for the request (plain decoding) and once with it
+# on; prints the token ids and the speculation counters as JSON.
 DRIVER = textwrap.dedent("""
     import json, sys
     from specdecode.runtime.config import EngineConfig
@@ -46,7 +46,7 @@ DRIVER = textwrap.dedent("""
     engine = async_engine.engine
     try:
         out = {}
-        for name, k in (("plain", 0), ("ngram", None)):
+        for name, k in (("plain", 0), ("spec", None)):
             params = SamplingParams(max_tokens=%d, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{name}/{i}", prompt, params)
@@ -54,7 +54,7 @@ DRIVER = textwrap.dedent("""
         while engine.has_unfinished():
             for o in engine.step():
                 out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
-        result = {name: [out[f"{name}/{i}"] for i in range(len(prompts))] for name in ("plain", "ngram")}
+        result = {name: [out[f"{name}/{i}"] for i in range(len(prompts))] for name in ("plain", "spec")}
         result["draft_tokens"], result["accepted_tokens"] = engine.spec.num_draft_tokens, engine.spec.num_accepted_tokens
     finally:
         async_engine.shutdown()
@@ -88,11 +88,11 @@ def _tp_outputs(cfg: EngineConfig, prompts: list[list[int]], cwd: Path, deadline
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _tp_config(model: str, size: int, cache_dir: Path | None) -> EngineConfig:
+def _tp_config(model: str, size: int, cache_dir: Path | None, **spec) -> EngineConfig:
     return EngineConfig(
         load=LoadConfig(model=model, weight_cache_dir=cache_dir, device="cpu", dtype="float32"),
         cache=CacheConfig(num_blocks=128, block_size=16),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify="greedy"),
+        speculative=SpeculativeConfig(**({"method": "ngram", "num_speculative_tokens": 4, "verify": "greedy"} | spec)),
         parallel=ParallelConfig(tensor_parallel_size=size, rendezvous_timeout_s=60, collective_timeout_s=60),
     )
 
@@ -105,7 +105,7 @@ def _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_matc
         expected = run_all(make_engine(loaded.model, loaded.tokenizer), prompts, params)
     finally:
         torch.set_num_threads(threads)
-    for name in ("plain", "ngram"):
+    for name in ("plain", "spec"):
         for prompt, want, actual in zip(prompts, expected, got[name]):
             assert_greedy_match(loaded.model, prompt, want, actual)
     assert got["draft_tokens"] > 0  # the speculative pass really drafted
@@ -117,6 +117,20 @@ def test_tp2_tiny_llama_greedy_equals_tp1(tiny_hf_model_dir, tmp_path, make_engi
     texts = ["Hello world! The quick", "def add(a, b):\n    return", "The capital of France is Paris. The capital"]
     prompts = [loaded.tokenizer.encode(t) for t in texts]
     got = _tp_outputs(_tp_config(str(tiny_hf_model_dir), 2, None), prompts, tmp_path, deadline_s=50)
+    _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
+
+
+@pytest.mark.timeout(60)
+def test_tp2_tiny_llama_with_mtp_greedy_equals_tp1(tiny, tiny_hf_model_dir, tmp_path, make_engine, run_all,
+                                                   assert_greedy_match, write_random_mtp_head):
+    """MTP heads under tensor parallelism: rank 0 holds the whole head and drafts from the hidden
+    states its forward gathered; the other rank only runs its shard."""
+    head = write_random_mtp_head(tiny[0], tmp_path / "head")
+    texts = ["Hello world! The quick", "def add(a, b):\n    return", "The capital of France is Paris. The capital"]
+    prompts = [tiny[1].encode(t) for t in texts]
+    cfg = _tp_config(str(tiny_hf_model_dir), 2, None, method="mtp", num_speculative_tokens=3, mtp_path=head)
+    got = _tp_outputs(cfg, prompts, tmp_path, deadline_s=50)
+    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
     _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
 
 

@@ -22,6 +22,7 @@ from specdecode.runtime.models.decoder import DecoderLM, RotaryEmbedding
 from specdecode.runtime.models.gguf_loader import open_gguf
 from specdecode.runtime.models.hf_loader import is_hf_folder, open_hf_folder
 from specdecode.runtime.models.model_config import ModelConfig
+from specdecode.runtime.models.mtp_checkpoint import is_mtp_weight
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.tokenizer import Tokenizer
 
@@ -96,7 +97,9 @@ def _open(
             hint = f"; pass one of its GGUF files instead: {ggufs}" if ggufs else ""
             raise ValueError(f"{path} is not a Hugging Face model folder (no config.json){hint}")
         hf = open_hf_folder(path)
-        return hf.hf_config, hf.weights(dtype), hf.tokenizer
+        num_layers = hf.hf_config.get("num_hidden_layers", 0)
+        weights = ((n, t) for n, t in hf.weights(dtype) if not is_mtp_weight(n, num_layers))  # the head's, loaded apart
+        return hf.hf_config, weights, hf.tokenizer
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path}: expected a *.gguf file or a Hugging Face folder")
     entry = weight_cache.lookup(cache_dir, path, dtype) if cache_dir is not None else None

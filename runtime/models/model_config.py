@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+BODIES = {"llama": "llama", "qwen2": "qwen2", "mimo": "qwen2"}  # model_type → decoder body (MiMo: Qwen2 + MTP)
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict; refuse what we cannot run faithfully."""
-        arch = cfg.get("model_type", "")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = BODIES.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise ValueError(f"unsupported model_type {cfg.get('model_type', '')!r}; supported: {', '.join(BODIES)}")
         # transformers >= 5 writes ``rope_parameters`` {rope_theta, rope_type, ...} instead of the two keys.
         rope_parameters = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or rope_parameters
