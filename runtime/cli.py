@@ -265,6 +265,18 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_train_mtp(parser: argparse.ArgumentParser) -> None:
+    from specdecode.runtime.training.command import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_train_mtp(args: argparse.Namespace) -> int:
+    from specdecode.runtime.training.command import run
+
+    return run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", _add_serve, _run_serve),
     Subcommand("generate", "generate one completion and print it", _add_generate, _run_generate),
@@ -272,6 +284,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _run_validate),
     Subcommand("render", "print the Kubernetes objects the operator would create", _add_render, _run_render),
     Subcommand("bench", "benchmark against Hugging Face transformers (table, JSON, plot)", _add_bench, _run_bench),
+    Subcommand("train-mtp", "train MTP head(s) for a model that has none, then measure their acceptance",
+               _add_train_mtp, _run_train_mtp),
     Subcommand("bench-kernels", "time each Triton kernel against its torch reference (table, JSON, plot)",
                _add_bench_kernels, _run_bench_kernels),
 ]

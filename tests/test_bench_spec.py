@@ -34,8 +34,9 @@ def test_sharegpt_reader_stops_at_the_cut_and_filters(tmp_path, monkeypatch):
     text = json.dumps(convs, indent=2)
     path = tmp_path / "sharegpt.json"
     path.write_text(text[: text.index('"id": "d"') + 12])  # cut mid-object, like the packaged file
-    assert list(datasets._first_human_turns(path)) == [long_text, "How are you?", "def f():\n    return 1\n"]
     monkeypatch.setattr(datasets, "_package_file", lambda *a: path)
+    assert list(datasets.sharegpt_first_turns()) == [long_text, "How are you?", "def f():\n    return 1\n"]
+    assert list(datasets.sharegpt_conversations())[1] == [("human", "How are you?"), ("gpt", "Fine.")]
     assert datasets.sharegpt_summarise(1) == [[{"role": "user", "content": long_text}]]
     assert datasets.sharegpt_chat(1) == [[{"role": "user", "content": "How are you?"}]]
 
@@ -74,6 +75,12 @@ def test_system_list():
     assert systems["ours-draft+lc"].self_reference == "ours-draft" and systems["ours-draft"].peer == "transformers-assisted"
     assert systems["transformers-assisted"].concurrency == (1,) and systems[PEER_PLAIN].concurrency == (1, 8)
     assert [s.name for s in build_systems(["none"], 4, None, [1], with_peer=False)] == [NOSPEC]
+    mtp = {s.name: s for s in build_systems(["mtp", "ngram"], 2, None, [1, 8], mtp_path="/heads/smollm2")}
+    assert list(mtp) == [NOSPEC, "ours-mtp", "ours-mtp+lc", "ours-mtp-fullvocab", "ours-mtp-fullvocab+lc", "ours-ngram",
+                         "ours-ngram+lc", "transformers-prompt-lookup", PEER_PLAIN]  # transformers has no MTP
+    assert mtp["ours-mtp"].speculative["mtp_path"] == "/heads/smollm2" and mtp["ours-mtp"].peer is None
+    assert mtp["ours-mtp"].speculative["draft_vocab_size"] is None  # the head's reduced vocabulary
+    assert mtp["ours-mtp-fullvocab"].speculative["draft_vocab_size"] == 0 and mtp["ours-ngram"].speculative["mtp_path"] is None
     with pytest.raises(ValueError, match="draft_model"):
         build_systems(["draft"], 4, None, [1])
 

