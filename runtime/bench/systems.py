@@ -22,8 +22,8 @@ from specdecode.runtime.config import LoadControl, SpeculativeConfig
 
 NOSPEC = "ours-nospec"
 PEER_PLAIN = "transformers-plain"
-METHODS = ("none", "ngram", "suffix", "draft")
-PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "assisted"}
+METHODS = ("none", "ngram", "suffix", "draft", "mtp")
+PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "assisted"}  # transformers has no MTP
 
 # Goodput rather than a fixed table: a table tuned on one machine (it was K=4 up to batch 4, K=2
 # up to 8, off above, floor 0.2, from the verify-step cost ratios this 2-core CPU showed) fits
@@ -46,22 +46,28 @@ class System:
 
 def build_systems(
     methods: list[str], k: int, draft_model: str | None, concurrency: list[int], with_peer: bool = True,
-    load_control: LoadControl = LOAD_CONTROL_ON,
+    load_control: LoadControl = LOAD_CONTROL_ON, mtp_path: str | None = None,
 ) -> list[System]:
     """The systems for ``methods`` (``none`` adds nothing: ``ours-nospec`` always runs); the
-    ``+lc`` ones run ``load_control``."""
+    ``+lc`` ones run ``load_control``. ``mtp`` runs twice: ``ours-mtp`` with the head's reduced
+    draft vocabulary (its default) and ``ours-mtp-fullvocab`` drafting over every token."""
     conc = tuple(sorted(set(concurrency)))
     loaded = tuple(c for c in conc if c > 1)
     spec_methods = list(dict.fromkeys(m for m in methods if m != "none"))
-    peer_modes = list(dict.fromkeys(PEER_MODES[m] for m in spec_methods))
+    peer_modes = list(dict.fromkeys(PEER_MODES[m] for m in spec_methods if m in PEER_MODES))
     ours = [System(NOSPEC, "ours", conc, peer=PEER_PLAIN, self_reference=NOSPEC)]
     for method in spec_methods:
-        spec = speculative_config(method, k, draft_model)
-        name, peer = f"ours-{method}", f"transformers-{PEER_MODES[method]}"
-        ours.append(System(name, "ours", conc, spec.model_dump(mode="json"), peer=peer, self_reference=name))
-        if loaded:
-            with_lc = spec.model_copy(update={"load_control": load_control})
-            ours.append(System(f"{name}+lc", "ours", loaded, with_lc.model_dump(mode="json"), peer=peer, self_reference=name))
+        spec = speculative_config(method, k, draft_model, mtp_path)
+        variants = [(f"ours-{method}", spec)]
+        if method == "mtp":
+            variants.append(("ours-mtp-fullvocab", spec.model_copy(update={"draft_vocab_size": 0})))
+        peer = f"transformers-{PEER_MODES[method]}" if method in PEER_MODES else None
+        for name, variant in variants:
+            ours.append(System(name, "ours", conc, variant.model_dump(mode="json"), peer=peer, self_reference=name))
+            if loaded:
+                with_lc = variant.model_copy(update={"load_control": load_control})
+                ours.append(System(f"{name}+lc", "ours", loaded, with_lc.model_dump(mode="json"), peer=peer,
+                                   self_reference=name))
     if not with_peer:
         return ours
     single = tuple(c for c in conc if c == 1)
@@ -69,8 +75,9 @@ def build_systems(
     return ours + peers + [System(PEER_PLAIN, "peer_hf", conc)]
 
 
-def speculative_config(method: str, k: int, draft_model: str | None) -> SpeculativeConfig:
+def speculative_config(method: str, k: int, draft_model: str | None, mtp_path: str | None = None) -> SpeculativeConfig:
     """Raises pydantic's ValidationError (a ValueError) for an impossible combination."""
     return SpeculativeConfig(
-        method=method, num_speculative_tokens=k, draft_model=draft_model if method == "draft" else None
+        method=method, num_speculative_tokens=k, draft_model=draft_model if method == "draft" else None,
+        mtp_path=mtp_path if method == "mtp" else None,
     )
