@@ -409,6 +409,25 @@ def run_all():
     return _run_all
 
 
+def _drafts_at_preemption(engine) -> list[int]:
+    """Watch ``engine``'s preemptions: the list fills, per preempted sequence, with the drafts it
+    had been given until then (so a test can prove speculation was in flight)."""
+    seen: list[int] = []
+    preempted = engine.proposer.preempted
+
+    def spy(seq) -> None:
+        seen.append(seq.spec.num_drafts)
+        preempted(seq)
+
+    engine.proposer.preempted = spy
+    return seen
+
+
+@pytest.fixture(scope="session")
+def drafts_at_preemption():
+    return _drafts_at_preemption
+
+
 def _run_seeded(engine, prompt: list[int], params, n: int):
     """``n`` requests for one prompt with seeds 0..n-1, run together: (each one's output token
     ids, their SpecCounts summed)."""

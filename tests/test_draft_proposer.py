@@ -280,13 +280,16 @@ def test_finish_and_abort_free_the_draft_kv(tiny, tiny_draft_dir, tiny_prompts, 
     assert proposer.states == {} and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
-def test_small_draft_pool_and_target_preemption(tiny, tiny_draft_dir, tiny_prompts, tiny_nospec, make_engine, run_all, assert_greedy_match):
+def test_small_draft_pool_and_target_preemption(tiny, tiny_draft_dir, tiny_prompts, tiny_nospec, make_engine, run_all,
+                                                assert_greedy_match, drafts_at_preemption):
     """A draft pool with room for one sequence: the others get no drafts (the step never fails);
-    a target pool small enough to preempt: recomputed sequences keep their draft state."""
+    a target pool small enough to preempt sequences that had drafts: recomputed sequences keep
+    their draft state."""
     spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": 3, "draft_kv_cache_blocks": 6}
     engine = make_engine(*tiny, spec=spec, budget=24, num_blocks=14, block_size=8)
+    drafted_before_preemption = drafts_at_preemption(engine)
     got = run_all(engine, tiny_prompts, GREEDY)
     for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
         assert_greedy_match(tiny[0], prompt, expected, actual)
-    assert engine.scheduler.num_preemptions > 0 and engine.stats().spec_decode_num_draft_tokens > 0
+    assert any(n > 0 for n in drafted_before_preemption)
     assert engine.proposer.blocks.num_free_blocks == engine.proposer.blocks.num_blocks == 6

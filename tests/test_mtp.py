@@ -55,14 +55,12 @@ def test_greedy_equals_no_spec_alone_and_in_a_batch_of_mixed_lengths(
 
 
 def test_greedy_equals_no_spec_under_chunked_prefill_preemption_and_n(
-    sharp, sharp_head, prompts, nospec, make_engine, assert_greedy_match
+    sharp, sharp_head, prompts, nospec, make_engine, assert_greedy_match, drafts_at_preemption
 ):
     """A 6-token step budget (prompts in chunks), a pool too small for all (preemption of sequences
     that had drafts verified), and n = 2 completions per request."""
     engine = make_engine(*sharp, spec=mtp(sharp_head), budget=6, num_blocks=12, block_size=4)
-    drafted_before_preemption = []
-    preempted = engine.proposer.preempted
-    engine.proposer.preempted = lambda seq: (drafted_before_preemption.append(seq.spec.num_drafts), preempted(seq))
+    drafted_before_preemption = drafts_at_preemption(engine)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
