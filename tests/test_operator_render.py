@@ -345,3 +345,26 @@ def test_leader_worker_set_pod_template_passes_as_a_pod_template():
                 "template": lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]}
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(template, version, strict=True)
+
+
+def test_every_admissible_layouts_runtime_arguments_parse_with_the_runtimes_own_parser():
+    """render and the runtime's CLI cannot drift apart: each rendered runtime container's command
+    and args parse with ``specdecode``'s parser and build its engine config with the pod's env.
+    Pipeline layouts are left out while admission refuses them (the runtime has no stages yet)."""
+    from specdecode.runtime.cli import build_parser, engine_config
+
+    checked = 0
+    for label, obj in all_rendered():
+        if label.startswith("pp-") or obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
+            continue
+        container = runtime(obj)
+        assert container["command"] == ["specdecode"], label
+        args = build_parser().parse_args(container["args"])
+        pod_env = {k: v for k, v in env(container).items() if isinstance(v, str)}
+        cfg = engine_config(args, pod_env | {"NODE_RANK": "0"} if "NNODES" in pod_env else pod_env)
+        rendered = json.loads(arg(container, "--speculative-config"))
+        assert cfg.speculative.method.value == rendered["method"], label
+        tensor = int(arg(container, "--tensor-parallel-size")) if "--tensor-parallel-size" in container["args"] else 1
+        assert cfg.parallel.tensor_parallel_size == tensor, label
+        checked += 1
+    assert checked >= 8
