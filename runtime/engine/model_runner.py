@@ -28,7 +28,7 @@ SHORT_QUERY_TOKENS = 16
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
-    return 2 * c.num_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * model.num_local_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
 
 
 def num_kv_blocks(cache: CacheConfig, model: DecoderLM, dtype: torch.dtype) -> int:
@@ -56,7 +56,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
         self.kv_pools = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
+            for _ in range(model.num_local_layers)
         ]
         self.num_forwards = 0
 

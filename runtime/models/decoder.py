@@ -16,6 +16,7 @@ from torch import nn
 from specdecode.runtime.models.attention import AttentionBatch, paged_attention
 from specdecode.runtime.models.linear import Linear, linear
 from specdecode.runtime.models.model_config import ModelConfig
+from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import RowParallelLinear, TensorParallel
 
 
@@ -116,11 +117,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    """The stage's share of the body: its layers; the embedding and final norm where it holds them."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, stage: PipelineStage):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if stage.holds_embedding(cfg):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in stage.layers(cfg.num_layers))
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 # HF checkpoint name suffix → (our fused parameter, shard index within it)
@@ -138,26 +143,36 @@ class DecoderLM(nn.Module):
     ``compute_logits`` applies the final norm and the LM head to selected rows only.
 
     With ``tp.size > 1`` this is one rank's shard: every rank must run the same forward (the
-    row-parallel layers all-reduce); the LM head is replicated.
+    row-parallel layers all-reduce); the LM head is replicated. With ``stage.size > 1`` it is one
+    pipeline stage (``pipeline_stage.py``): its layers only, the embedding on the first stage, the
+    final norm and LM head on the last; a later stage's forward starts from the previous stage's
+    hidden states.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel(), stage: PipelineStage = PipelineStage()):
         super().__init__()
         tp.check(cfg)
+        stage.check(cfg)
         self.config = cfg
         self.tp = tp
+        self.stage = stage
         self.num_local_kv_heads = cfg.num_kv_heads // tp.size  # the KV heads this rank caches
-        self.model = DecoderBody(cfg, tp)
+        self.model = DecoderBody(cfg, tp, stage)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        separate_head = stage.is_last and not cfg.tie_word_embeddings
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if separate_head else None
+
+    @property
+    def num_local_layers(self) -> int:  # the decoder layers (and KV pools) of this stage
+        return len(self.model.layers)
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T] long
-        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K pool, V pool)
+        inputs: torch.Tensor,  # first stage: token ids [T] long; a later stage: the previous stage's [T, hidden]
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # per local layer (K pool, V pool)
         batch: AttentionBatch,
-    ) -> torch.Tensor:  # [T, hidden] before the final norm
-        x = self.model.embed_tokens(input_ids)
+    ) -> torch.Tensor:  # [T, hidden] after this stage's layers (on the last stage: before the final norm)
+        x = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
         for layer, kv_pool in zip(self.model.layers, kv_pools):
             x = layer(x, self.rope, kv_pool, batch)
         return x
@@ -170,12 +185,12 @@ class DecoderLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named full tensors in (this rank's slice of each), filling the fused q/k/v and
-        gate/up parameters shard by shard; ``lm_head.weight`` of a tied model is skipped (some
-        checkpoints still carry a copy of the embedding)."""
-        tied_copy = self.lm_head is None
-        load_hf_weights(self, ((n, t) for n, t in weights if not (tied_copy and n == "lm_head.weight")),
-                        self.config, self.tp, self.config.architecture)
+        """Copy HF-named full tensors in (this rank's slice of each, this stage's weights only),
+        filling the fused q/k/v and gate/up parameters shard by shard; ``lm_head.weight`` of a tied
+        model is skipped (some checkpoints still carry a copy of the embedding)."""
+        cfg, tied = self.config, self.config.tie_word_embeddings
+        mine = ((self.stage.local_name(n, cfg), t) for n, t in weights if not (tied and n == "lm_head.weight"))
+        load_hf_weights(self, ((n, t) for n, t in mine if n is not None), cfg, self.tp, cfg.architecture)
 
 
 def load_hf_weights(

@@ -23,6 +23,7 @@ from specdecode.runtime.models.gguf_loader import open_gguf
 from specdecode.runtime.models.hf_loader import is_hf_folder, open_hf_folder
 from specdecode.runtime.models.model_config import ModelConfig
 from specdecode.runtime.models.mtp_checkpoint import is_mtp_weight
+from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.tokenizer import Tokenizer
 
@@ -44,15 +45,16 @@ class Checkpoint(Protocol):
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-def load_model(cfg: LoadConfig, tp: TensorParallel = TensorParallel()) -> LoadedModel:
-    """The model (``tp.rank``'s shard of it) and its tokenizer; a ``tp.size`` that does not divide
-    the model's heads raises ValueError naming the numbers, before any weight is read."""
+def load_model(cfg: LoadConfig, tp: TensorParallel = TensorParallel(), stage: PipelineStage = PipelineStage()) -> LoadedModel:
+    """The model (``tp.rank``'s shard of ``stage``'s part of it) and its tokenizer; a ``tp.size``
+    that does not divide the model's heads, or more stages than layers, raises ValueError naming
+    the numbers, before any weight is read."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     with _model_path(cfg) as path:
         config_dict, weights, tokenizer = _open(path, cfg.weight_cache_dir, dtype)
         config = ModelConfig.from_hf(config_dict)
-        model = build_model(config, weights, device, dtype, tp)
+        model = build_model(config, weights, device, dtype, tp, stage)
     if cfg.chat_template is not None:
         tokenizer = tokenizer.with_chat_template_file(cfg.chat_template)
     return LoadedModel(
@@ -120,9 +122,11 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel = TensorParallel(),
+    stage: PipelineStage = PipelineStage(),
 ) -> DecoderLM:
-    """Allocate (``tp``'s shard) on ``device`` in ``dtype``, fill from the full ``weights``, freeze."""
-    model = _allocate(config, device, dtype, tp)
+    """Allocate (``tp``'s shard of ``stage``'s part) on ``device`` in ``dtype``, fill from the full
+    ``weights`` (the other stages' are skipped), freeze."""
+    model = _allocate(config, device, dtype, tp, stage)
     model.load_weights(weights)  # raises on any missing or unexpected weight
     model.eval()
     model.requires_grad_(False)
@@ -136,13 +140,15 @@ def build_model(
 _META_INIT_MIN_PARAMS = 50_000_000
 
 
-def _allocate(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> DecoderLM:
+def _allocate(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel, stage: PipelineStage
+) -> DecoderLM:
     if _num_params(config) < _META_INIT_MIN_PARAMS:
         with torch.device(device):
-            model = DecoderLM(config, tp).to(dtype)
+            model = DecoderLM(config, tp, stage).to(dtype)
     else:
         with torch.device("meta"):
-            model = DecoderLM(config, tp)
+            model = DecoderLM(config, tp, stage)
         model = model.to(dtype).to_empty(device=device)
     # The RoPE tables are computed buffers, not weights: (re)build them for real, in fp32 as constructed.
     model.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
