@@ -143,5 +143,6 @@ def _group(placed: list[tuple[int, Span]], block_size: int, device: torch.device
     key_pos = torch.arange(num_blocks * block_size)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
     for b, (_, span) in enumerate(placed):
-        mask[b, :, :, list(span.hidden_keys)] = False
+        if span.hidden_keys:  # only MTP chain spans have any: the target's forward skips this
+            mask[b, :, :, list(span.hidden_keys)] = False
     return AttentionGroup(token_index.to(device), valid_rows.to(device), block_tables.to(device), mask.to(device))
