@@ -55,6 +55,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV pool budget in GiB when --kv-cache-blocks is unset")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="turn overlap scheduling off: schedule each step only after the previous one's verdicts")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="a fuller waiting queue answers 503")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -64,12 +66,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """Tensor parallelism (``ParallelConfig``); a group spread over pods also reads torchrun's env."""
+    """Tensor and pipeline parallelism (``ParallelConfig``); a group spread over pods also reads torchrun's env."""
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="shard the model over N ranks (one per GPU, or CPU processes); in one pod the other ranks "
-                        "are spawned here, across pods they meet through $NNODES, $NODE_RANK, $MASTER_ADDR and "
+                   help="shard each stage's layers over N ranks (one per GPU, or CPU processes); in one pod the other "
+                        "ranks are spawned here, across pods they meet through $NNODES, $NODE_RANK, $MASTER_ADDR and "
                         "$MASTER_PORT (default 1)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=None, metavar="P",
+                   help="split the decoder layers into P contiguous stages, each a separate process group of "
+                        "--tensor-parallel-size ranks; the last stage samples and verifies (default 1)")
+    g.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a step waiting longer than this for another rank fails, and every rank exits (default 300)")
 
 
 def _set(**values: Any) -> dict[str, Any]:
@@ -77,11 +84,13 @@ def _set(**values: Any) -> dict[str, Any]:
 
 
 def parallel_config(args: argparse.Namespace, environ: Mapping[str, str]):
-    """``ParallelConfig`` from ``--tensor-parallel-size`` and, across pods, the rendezvous env the operator sets."""
+    """``ParallelConfig`` from the parallelism flags and, across pods, the rendezvous env the operator sets."""
     from specdecode.runtime.config import ParallelConfig
 
     return ParallelConfig(**_set(
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", None), num_nodes=environ.get("NNODES"),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", None),
+        collective_timeout_s=getattr(args, "collective_timeout", None), num_nodes=environ.get("NNODES"),
         node_rank=environ.get("NODE_RANK"), master_addr=environ.get("MASTER_ADDR"),
         master_port=environ.get("MASTER_PORT")))
 
@@ -103,6 +112,8 @@ def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     scheduler = _set(max_model_len=get("max_model_len"), max_num_seqs=get("max_num_seqs"),
                      max_num_batched_tokens=get("max_num_batched_tokens"),
                      max_waiting_requests=get("max_waiting_requests"))
+    if get("no_overlap"):
+        scheduler["overlap"] = False
     spec_json = get("speculative_config")
     speculative = SpeculativeConfig.model_validate_json(spec_json) if spec_json else SpeculativeConfig()
     return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler),
@@ -165,6 +176,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--no-overlap", action="store_true", help="turn overlap scheduling off")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -4,6 +4,7 @@ Every knob is validated once here and passed down; nothing deeper reads the envi
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
 
@@ -43,7 +44,23 @@ class VerifyStrategy(str, Enum):
         return self is not VerifyStrategy.TOPP
 
 
-KNOWN_GATES = frozenset({"mtp-pipeline-parallel"})
+MTP_PIPELINE_GATE = "mtp-pipeline-parallel"
+KNOWN_GATES = frozenset({MTP_PIPELINE_GATE})
+
+
+def mtp_pipeline_gate_refusal(method: str, pipeline_parallel_size: int, gates: Iterable[str]) -> str | None:
+    """The one rule for MTP under pipeline parallelism (the runtime, ``specdecode validate`` and the
+    admission webhook all say this): experimental, so it needs the gate. None = allowed."""
+    if method == SpeculativeMethod.MTP.value and pipeline_parallel_size > 1 and MTP_PIPELINE_GATE not in set(gates):
+        return (f"method 'mtp' with pipeline parallelism (size {pipeline_parallel_size}) is experimental: add the gate "
+                f"'{MTP_PIPELINE_GATE}' to the speculative config's gates (spec.gates of a SpecDecodeDeployment) or "
+                "use one pipeline stage")
+    return None
+
+
+MTP_PIPELINE_WARNING = ("method 'mtp' with pipeline parallelism is EXPERIMENTAL (gate 'mtp-pipeline-parallel'): the "
+                        "heads run on the last stage, which sends their drafts to the scheduler with each step's "
+                        "verdicts")
 
 
 class BatchSizeRule(Shared):
@@ -183,32 +200,41 @@ class SchedulerConfig(Frozen):
     max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget (chunked prefill)")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's context length")
     max_waiting_requests: int = Field(256, ge=1, description="a fuller queue answers 503")
+    overlap: bool = Field(
+        True, description="overlap scheduling: while a step runs, schedule the next one and build its prefill inputs "
+        "(decode rows reserved for K+1 tokens each, filled once the step's verdicts arrive)"
+    )
 
 
 class ParallelConfig(Frozen):
-    """Tensor parallelism: ``tensor_parallel_size`` ranks, spread evenly over ``num_nodes`` pods.
+    """Tensor and pipeline parallelism: ``pipeline_parallel_size`` stages of ``tensor_parallel_size``
+    ranks each, ``world_size`` ranks spread evenly over ``num_nodes`` pods.
 
-    Global rank ``node_rank * ranks_per_node + local`` runs on device ``local``; global rank 0
-    schedules, samples and serves the API. One pod (``num_nodes`` 1) meets on a port the OS picks;
-    several meet at ``master_addr:master_port`` (torchrun's MASTER_ADDR/MASTER_PORT, set by the
-    operator). Whether the model's heads split ``tensor_parallel_size`` ways is checked at load.
+    Global rank ``stage * tensor_parallel_size + tp_rank``; a pod runs the consecutive global ranks
+    ``node_rank * ranks_per_node …`` on its devices ``0 …``. Global rank 0 (first stage, pod 0)
+    schedules and serves the API; the last stage's first rank samples and verifies. One pod
+    (``num_nodes`` 1) meets on a port the OS picks; several meet at ``master_addr:master_port``
+    (torchrun's MASTER_ADDR/MASTER_PORT, set by the operator). Whether the model's heads split
+    ``tensor_parallel_size`` ways and its layers ``pipeline_parallel_size`` ways is checked at load.
     """
 
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1, description="contiguous runs of decoder layers, one per stage")
     num_nodes: int = Field(1, ge=1, description="pods the group spans (NNODES)")
     node_rank: int = Field(0, ge=0, description="this pod's index in the group (NODE_RANK); 0 serves the API")
     master_addr: str | None = Field(None, description="node 0's address for the rendezvous (MASTER_ADDR); across pods")
     master_port: int | None = Field(None, ge=1, le=65535, description="node 0's rendezvous port (MASTER_PORT); across pods")
     rendezvous_timeout_s: float = Field(600.0, gt=0, description="every rank must have loaded its shard by then")
     collective_timeout_s: float = Field(
-        300.0, gt=0, description="a collective waiting longer for a peer fails (workers wait for the next step without limit)"
+        300.0, gt=0, description="a collective waiting longer for a peer fails, and the group stops (workers wait for "
+        "the next step without limit while rank 0 lives)"
     )
 
     @model_validator(mode="after")
     def _consistent(self) -> "ParallelConfig":
-        if self.tensor_parallel_size % self.num_nodes:
-            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of the number of "
-                             f"pods NNODES ({self.num_nodes})")
+        if self.world_size % self.num_nodes:
+            raise ValueError(f"tensor_parallel_size × pipeline_parallel_size ({self.world_size}) must be a multiple of "
+                             f"the number of pods NNODES ({self.num_nodes})")
         if self.node_rank >= self.num_nodes:
             raise ValueError(f"NODE_RANK ({self.node_rank}) must be below NNODES ({self.num_nodes})")
         if self.num_nodes > 1 and (self.master_addr is None or self.master_port is None):
@@ -216,14 +242,29 @@ class ParallelConfig(Frozen):
         return self
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.num_nodes
+        return self.world_size // self.num_nodes
 
     @property
     def local_ranks(self) -> range:
         """The global ranks this pod runs, its local rank 0 first."""
         first = self.node_rank * self.ranks_per_node
         return range(first, first + self.ranks_per_node)
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tensor_parallel_size
+
+    @property
+    def verifier_rank(self) -> int:
+        """The last stage's first rank: it samples, verifies and holds the draft model / MTP heads."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 class EngineConfig(Frozen):
@@ -232,6 +273,14 @@ class EngineConfig(Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
+
+    @model_validator(mode="after")
+    def _gated(self) -> "EngineConfig":
+        refusal = mtp_pipeline_gate_refusal(self.speculative.method.value, self.parallel.pipeline_parallel_size,
+                                            self.speculative.gates)
+        if refusal:
+            raise ValueError(refusal)
+        return self
 
 
 class ServerConfig(Frozen):
