@@ -13,9 +13,11 @@ to change it to. Decisions:
   Admission cannot look inside a model, so an ``mtp`` spec without ``mtpPath`` is allowed with a
   warning; a model without MTP layers is refused by the runtime at start, which the status shows
   (``Degraded``, reason ``RuntimeRefused``).
-- Pipeline parallelism is refused until the runtime has it; with ``mtp`` it also needs the
-  ``mtp-pipeline-parallel`` gate (``mtp_pipeline_rule``). Both rules read the spec as written, so
-  they are reported beside any schema error.
+- Pipeline parallelism (``parallelism.pipeline`` > 1) is admitted. With ``mtp`` it is experimental
+  and needs the ``mtp-pipeline-parallel`` gate: the refusal is the runtime's own sentence
+  (``mtp_pipeline_gate_refusal`` in the shared config, the rule ``EngineConfig`` applies), read
+  from the spec as written so that it is reported beside any schema error; with the gate,
+  admission warns with the runtime's ``MTP_PIPELINE_WARNING``.
 - ``gates`` (top level) are merged into ``speculative.gates``, which the runtime reads.
 - GPUs per pod default to ``parallelism.tensor``: one pod per pipeline stage, so tensor-only
   layouts are one pod (a Deployment). A divisor of ``tensor`` spreads a stage over several pods;
@@ -42,10 +44,15 @@ from specdecode.operator.spec import (
     SpecDecodeDeploymentSpec,
     in_crd_spelling,
 )
-from specdecode.runtime.config import SpeculativeMethod, VerifyStrategy
+from specdecode.runtime.config import (
+    MTP_PIPELINE_GATE,
+    MTP_PIPELINE_WARNING,
+    SpeculativeMethod,
+    VerifyStrategy,
+    mtp_pipeline_gate_refusal,
+)
 from specdecode.runtime.models.aliases import ALIASES
 
-MTP_PIPELINE_GATE = "mtp-pipeline-parallel"
 # Flags the operator renders itself; extraArgs may not set them a second time.
 RENDERED_FLAGS = {
     "--model": "spec.model.uri",
@@ -259,31 +266,19 @@ def _immutable_errors(old: Mapping[str, Any], new: Layout) -> list[str]:
             f"{new.describe()}): put it back, or create a new {names.KIND} and move traffic to it"]
 
 
-PIPELINE_UNAVAILABLE = ("pipeline parallelism is not available yet: it comes in a later release (the runtime "
-                        "runs every layer in each rank); set pipeline to 1: tensor parallelism is available, in one "
-                        "pod or across pods with resources.gpusPerPod")
-
-
-def mtp_pipeline_rule(method: str, pipeline: int, gates: Iterable[str]) -> str | None:
-    """PP > 1 with ``mtp`` is experimental: the draft heads sit on the last stage only."""
-    if method == SpeculativeMethod.MTP.value and pipeline > 1 and MTP_PIPELINE_GATE not in set(gates):
-        return (f"spec.parallelism.pipeline: method 'mtp' with pipeline > 1 is experimental; add "
-                f"'{MTP_PIPELINE_GATE}' to spec.gates or set pipeline to 1")
-    return None
-
-
 # -- rules --------------------------------------------------------------------------------------
 
 
 def _raw_rule_errors(raw: Mapping[str, Any]) -> list[str]:
-    """The pipeline rules, read leniently from the spec as written: said even when the schema
+    """The MTP × pipeline gate, read leniently from the spec as written: said even when the schema
     refuses something else (a value of the wrong type is the schema's to report)."""
     parallelism, speculative = _mapping(raw, "parallelism"), _mapping(raw, "speculative")
     pipeline, method = parallelism.get("pipeline", 1), speculative.get("method")
-    if not isinstance(pipeline, int) or pipeline <= 1:
+    if not isinstance(pipeline, int):
         return []
-    rule = mtp_pipeline_rule(str(method), pipeline, [*_strings(raw, "gates"), *_strings(speculative, "gates")])
-    return [f"spec.parallelism.pipeline: {PIPELINE_UNAVAILABLE}", *([rule] if rule else [])]
+    gates = [*_strings(raw, "gates"), *_strings(speculative, "gates")]
+    refusal = mtp_pipeline_gate_refusal(str(method), pipeline, gates)
+    return [f"spec.parallelism.pipeline: {refusal}"] if refusal else []
 
 
 def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
@@ -354,6 +349,9 @@ def duration_seconds(text: str) -> float:
 
 def _warnings(spec: SpecDecodeDeploymentSpec) -> Iterable[str]:
     speculative = spec.speculative
+    if (speculative.method is SpeculativeMethod.MTP and spec.parallelism.pipeline > 1
+            and MTP_PIPELINE_GATE in {*spec.gates, *speculative.gates}):
+        yield f"spec.parallelism.pipeline: {MTP_PIPELINE_WARNING}"
     if speculative.method is SpeculativeMethod.MTP and speculative.mtp_path is None:
         yield ("spec.speculative.mtpPath: unset, so the runtime drafts with the MTP layers of the model's own "
                "checkpoint; admission cannot look inside spec.model.uri to check that it has them: a model without "

@@ -34,8 +34,8 @@ def test_validate_refuses_with_what_to_change(capsys):
     assert main(["validate", BAD]) == 1
     out = capsys.readouterr().out
     assert out.startswith('denied: SpecDecodeDeployment "invalid-mtp" is invalid: spec.parallelism.pipeline: ')
-    assert "add 'mtp-pipeline-parallel' to spec.gates" in out  # the gate, named
-    assert "pipeline parallelism is not available yet" in out and "spec.speculative.numSpeculativeTokens" in out
+    assert "add the gate 'mtp-pipeline-parallel'" in out  # the gate, named
+    assert "spec.speculative.numSpeculativeTokens" in out
 
 
 def test_validate_json_is_the_admission_response(capsys):

@@ -5,7 +5,8 @@ from typing import Any
 import pytest
 
 from specdecode.operator import names
-from specdecode.operator.resolve import admission_response, mtp_pipeline_rule, resolve
+from specdecode.operator.resolve import admission_response, resolve
+from specdecode.runtime.config import MTP_PIPELINE_WARNING, mtp_pipeline_gate_refusal
 
 
 def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
@@ -34,10 +35,16 @@ def test_minimal_spec_gets_every_default():
     (4, 1, 2, 2),  # a stage spread over two pods
     (8, 1, 2, 4),  # four pods of two GPUs
     (2, 1, 0, 1),  # CPU: no GPUs, both ranks in one pod
+    (1, 2, None, 2),  # a pod per pipeline stage
+    (2, 2, None, 2),  # a pod per stage, tensor parallelism inside it
+    (2, 2, 1, 4),  # each stage spread over two pods
+    (2, 2, 0, 2),  # CPU: a pod per stage
 ])
 def test_gpus_per_pod_default_and_layout(tensor, pipeline, gpus, pods):
     resources = {} if gpus is None else {"gpusPerPod": gpus}
-    r = resolve(cr(parallelism={"tensor": tensor, "pipeline": pipeline}, resources=resources)).resolved
+    answer = resolve(cr(parallelism={"tensor": tensor, "pipeline": pipeline}, resources=resources))
+    assert answer.allowed and answer.warnings == (), answer.message
+    r = answer.resolved
     assert r.layout.gpus_per_pod == (tensor if gpus is None else gpus)
     assert r.spec.resources.gpus_per_pod == r.layout.gpus_per_pod
     assert r.layout.pods_per_group == pods and r.layout.single_pod is (pods == 1)
@@ -94,27 +101,30 @@ def test_mtp_fields_need_method_mtp_and_say_so_in_crd_spelling(field):
     assert "spec.speculative: mtpPath and draftVocabSize are only used by method 'mtp', not 'ngram'" in message
 
 
-def test_pipeline_parallelism_is_refused_until_the_runtime_has_it():
-    message = refusal(cr(parallelism={"tensor": 2, "pipeline": 2}))
-    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet: it comes in a later release" in message
-    assert "set pipeline to 1" in message and "mtp-pipeline-parallel" not in message
+def test_mtp_with_pipeline_parallelism_is_refused_with_the_runtimes_sentence_beside_schema_errors():
+    answer = resolve(cr(speculative={"method": "mtp", "numSpeculativeTokens": 32}, parallelism={"pipeline": 2}))
+    assert not answer.allowed
+    assert answer.errors[0] == f"spec.parallelism.pipeline: {mtp_pipeline_gate_refusal('mtp', 2, ())}"
+    assert "'mtp-pipeline-parallel'" in answer.errors[0]  # the gate, named
+    assert "spec.speculative.numSpeculativeTokens: Input should be less than or equal to 16" in answer.message
+    assert not any(MTP_PIPELINE_WARNING in w for w in answer.warnings)  # refused, not warned
 
 
-def test_mtp_with_pipeline_parallelism_is_refused_naming_the_gate_beside_schema_errors():
-    message = refusal(cr(speculative={"method": "mtp", "numSpeculativeTokens": 32}, parallelism={"pipeline": 2}))
-    assert "add 'mtp-pipeline-parallel' to spec.gates" in message
-    assert "pipeline parallelism is not available yet" in message
-    assert "spec.speculative.numSpeculativeTokens: Input should be less than or equal to 16" in message
-    gated = refusal(cr(speculative={"method": "mtp"}, parallelism={"pipeline": 2}, gates=["mtp-pipeline-parallel"]))
-    assert "mtp-pipeline-parallel" not in gated and "pipeline parallelism is not available yet" in gated
+@pytest.mark.parametrize("gated", [{"gates": ["mtp-pipeline-parallel"]},
+                                   {"speculative": {"method": "mtp", "gates": ["mtp-pipeline-parallel"]}}])
+def test_mtp_with_pipeline_parallelism_and_its_gate_is_allowed_with_the_runtimes_warning(gated):
+    spec = {"speculative": {"method": "mtp"}, "parallelism": {"tensor": 2, "pipeline": 2}, **gated}
+    answer = resolve(cr(**spec))
+    assert answer.allowed, answer.message
+    assert f"spec.parallelism.pipeline: {MTP_PIPELINE_WARNING}" in answer.warnings
+    assert answer.resolved.spec.speculative.gates == ("mtp-pipeline-parallel",)  # what the runtime reads
+    assert admission_response(answer)["warnings"] == list(answer.warnings)
 
 
-def test_mtp_with_pipeline_parallelism_needs_its_gate():
-    message = mtp_pipeline_rule("mtp", 2, gates=())
-    assert message.startswith("spec.parallelism.pipeline:") and "add 'mtp-pipeline-parallel' to spec.gates" in message
-    assert mtp_pipeline_rule("mtp", 2, gates=("mtp-pipeline-parallel",)) is None
-    assert mtp_pipeline_rule("mtp", 1, gates=()) is None
-    assert mtp_pipeline_rule("ngram", 4, gates=()) is None
+def test_other_methods_under_pipeline_parallelism_need_no_gate():
+    for method in ("none", "ngram", "suffix"):
+        answer = resolve(cr(speculative={"method": method}, parallelism={"pipeline": 2}))
+        assert answer.allowed and answer.warnings == (), (method, answer.message)
 
 
 def test_gates_are_checked_and_merged_into_the_runtime_config():

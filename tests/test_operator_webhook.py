@@ -23,6 +23,8 @@ from operator_harness import running_operator, wait_for, write_kubeconfig
 from specdecode.operator import names
 from specdecode.operator.crd import build_crd
 from specdecode.operator.handlers import WEBHOOK_ID
+from specdecode.runtime.cli import main
+from specdecode.runtime.config import MTP_PIPELINE_GATE, MTP_PIPELINE_WARNING, mtp_pipeline_gate_refusal
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -120,9 +122,39 @@ def test_an_invalid_resource_is_refused_with_what_to_change(webhook: Webhook) ->
     assert answer["status"]["code"] == 422
     message = answer["status"]["message"]
     assert message.startswith(f'{names.KIND} "invalid-mtp" is invalid: ')
-    assert "add 'mtp-pipeline-parallel' to spec.gates" in message
-    assert "spec.parallelism.pipeline: pipeline parallelism is not available yet" in message
+    assert "spec.parallelism.pipeline: method 'mtp' with pipeline parallelism" in message
+    assert "add the gate 'mtp-pipeline-parallel'" in message
     assert "spec.speculative.numSpeculativeTokens" in message
+
+
+def test_mtp_under_pipeline_parallelism_gets_the_same_answer_from_runtime_validate_and_webhook(
+        webhook: Webhook, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The gate rule lives once (the shared config): without the gate the runtime refuses to start,
+    ``specdecode validate`` and the webhook deny, all with its sentence; with it both warn."""
+    sentence = mtp_pipeline_gate_refusal("mtp", 2, ())
+    termination = tmp_path / "termination-log"
+    serve = ["serve", "--model", "smollm2-135m", "--pipeline-parallel-size", "2",
+             "--termination-message-path", str(termination), "--speculative-config"]
+    assert main([*serve, '{"method":"mtp"}']) == 2
+    assert termination.read_text() == f"specdecode serve: invalid configuration: {sentence}\n"
+
+    body, path = example("mtp-pp"), tmp_path / "mtp-pp.yaml"
+    body["spec"] |= {"parallelism": {"pipeline": 2}, "speculative": {"method": "mtp"}}
+    path.write_text(yaml.safe_dump(body))
+    capsys.readouterr()
+    denied = f'{names.KIND} "mtp-pp" is invalid: spec.parallelism.pipeline: {sentence}'
+    assert main(["validate", str(path)]) == 1
+    assert capsys.readouterr().out == f"denied: {denied}\n"
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is False and answer["status"]["message"] == denied
+
+    body["spec"]["gates"] = [MTP_PIPELINE_GATE]
+    path.write_text(yaml.safe_dump(body))
+    warning = f"spec.parallelism.pipeline: {MTP_PIPELINE_WARNING}"
+    assert main(["validate", str(path)]) == 0
+    assert f"Warning: {warning}" in capsys.readouterr().err.splitlines()
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is True and warning in answer["warnings"]
 
 
 def test_an_update_may_not_change_the_parallel_group(webhook: Webhook) -> None:
