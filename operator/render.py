@@ -7,10 +7,12 @@ Pure (no I/O, no owner references: the handler adopts what it applies). Layouts:
   ``StatefulSet`` + headless ``Service`` (ordinal 0 is the leader and rendezvous address), or
   one ``LeaderWorkerSet`` per revision when the cluster serves that API.
 
-Every pod runs ``specdecode serve`` with the shared speculative config as snake_case JSON; in a
-multi-pod group it also gets torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``NNODES``/``NODE_RANK``
-and the runtime's ``--tensor-parallel-size``/``--pipeline-parallel-size``; every rank serves
-``/health`` and ``/ready``, and the traffic ``Service`` selects only leaders (rank 0 emits).
+Every pod runs ``specdecode serve`` with the shared speculative config as snake_case JSON and
+the runtime's ``--tensor-parallel-size``/``--pipeline-parallel-size``; in a multi-pod group it
+also gets torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``NNODES``/``NODE_RANK``, and pod
+``NODE_RANK`` runs the group's consecutive global ranks (``stage * tensor + tp_rank``) from
+``NODE_RANK * ranks_per_pod``, so a pod never spans two stages. Every rank serves ``/health`` and
+``/ready``, and the traffic ``Service`` selects only leaders (rank 0 emits).
 
 The revision is a hash of the pod template before anything revision-specific is added, so the
 same spec always has the same revision and any change to what a pod runs makes a new one.

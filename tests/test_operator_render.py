@@ -1,6 +1,5 @@
 """render: layouts, runtime arguments, revision hash, and every object valid for Kubernetes."""
 import json
-from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
@@ -22,19 +21,9 @@ def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 def resolved(**spec: Any) -> Resolved:
-    """resolve() refuses pipeline > 1 until the runtime has pipeline parallelism; render's layout
-    for it is built ahead, so such a spec is resolved at pipeline 1 and given its stages here."""
-    pipeline = spec.get("parallelism", {}).get("pipeline", 1)
-    if pipeline > 1:
-        spec = {**spec, "parallelism": {**spec["parallelism"], "pipeline": 1}}
     answer = resolve(cr(**spec))
     assert answer.allowed, answer.message
-    r = answer.resolved
-    if pipeline == 1:
-        return r
-    parallelism = r.spec.parallelism.model_copy(update={"pipeline": pipeline})
-    return replace(r, spec=r.spec.model_copy(update={"parallelism": parallelism}),
-                   layout=replace(r.layout, pipeline=pipeline))
+    return answer.resolved
 
 
 def kinds(objs: list[dict[str, Any]]) -> list[str]:
@@ -84,6 +73,11 @@ EVERYTHING = dict(
 LAYOUTS = {
     "tp-in-pod": dict(parallelism={"tensor": 4}),
     "pp-sts": dict(parallelism={"tensor": 2, "pipeline": 2}, model={"uri": "pvc://weights/qwen/7b"}),
+    "pp-tp1": dict(parallelism={"pipeline": 2}),
+    "pp-stage-across-pods": dict(parallelism={"tensor": 2, "pipeline": 2}, resources={"gpusPerPod": 1}),
+    "pp-cpu": dict(parallelism={"tensor": 2, "pipeline": 2}, resources={"gpusPerPod": 0}),
+    "pp-mtp-gated": dict(parallelism={"pipeline": 3}, gates=["mtp-pipeline-parallel"],
+                         speculative={"method": "mtp", "mtpPath": "pvc://heads/qwen-mtp"}),
     "tp-across-pods": dict(parallelism={"tensor": 4}, resources={"gpusPerPod": 2}, model={"uri": "hf://Qwen/Qwen2.5-7B"}),
     "cpu": dict(resources={"gpusPerPod": 0}, model={"uri": "file:///models/smollm2"}),
     "mtp-hf": dict(model={"uri": "hf://Qwen/Qwen2.5-7B", "cacheClaim": "hf-cache"},
@@ -347,24 +341,50 @@ def test_leader_worker_set_pod_template_passes_as_a_pod_template():
         kubernetes_validate.validate(template, version, strict=True)
 
 
+# (tensor, pipeline, pods per group) of each layout, as its spec asks for it.
+GROUPS = {"tp-in-pod": (4, 1, 1), "pp-sts": (2, 2, 2), "pp-tp1": (1, 2, 2), "pp-stage-across-pods": (2, 2, 4),
+          "pp-cpu": (2, 2, 2), "pp-mtp-gated": (1, 3, 3), "tp-across-pods": (4, 1, 2), "cpu": (1, 1, 1),
+          "mtp-hf": (1, 1, 1)}
+
+
+def group_size(workload: dict[str, Any]) -> int:
+    """Pods in one parallel group of a rendered workload."""
+    if workload["kind"] == "Deployment":
+        return 1
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["size"]
+    return workload["spec"]["replicas"]
+
+
 def test_every_admissible_layouts_runtime_arguments_parse_with_the_runtimes_own_parser():
     """render and the runtime's CLI cannot drift apart: each rendered runtime container's command
-    and args parse with ``specdecode``'s parser and build its engine config with the pod's env.
-    Pipeline layouts are left out while admission refuses them (the runtime has no stages yet)."""
+    and args parse with ``specdecode``'s parser and build its engine config with each pod's env
+    (``NODE_RANK`` as the pod index gives it), and the group's pods together run every global rank
+    of tensor × pipeline exactly once, none spanning two stages."""
     from specdecode.runtime.cli import build_parser, engine_config
 
-    checked = 0
+    assert GROUPS.keys() == LAYOUTS.keys()
+    checked = set()
     for label, obj in all_rendered():
-        if label.startswith("pp-") or obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
+        if obj["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
             continue
+        tensor, pipeline, pods = GROUPS[label.split("/")[0].removesuffix("-lws")]
+        assert group_size(obj) == pods, label
         container = runtime(obj)
         assert container["command"] == ["specdecode"], label
         args = build_parser().parse_args(container["args"])
         pod_env = {k: v for k, v in env(container).items() if isinstance(v, str)}
-        cfg = engine_config(args, pod_env | {"NODE_RANK": "0"} if "NNODES" in pod_env else pod_env)
+        assert ("NNODES" in pod_env) is (pods > 1), label
+        ranks = []
+        for node_rank in range(pods):
+            cfg = engine_config(args, pod_env | ({"NODE_RANK": str(node_rank)} if pods > 1 else {}))
+            parallel = cfg.parallel
+            assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (tensor, pipeline), label
+            assert parallel.num_nodes == pods and parallel.node_rank == node_rank, label
+            assert len({parallel.stage_of(rank) for rank in parallel.local_ranks}) == 1, label
+            ranks += parallel.local_ranks
+        assert sorted(ranks) == list(range(tensor * pipeline)), label
         rendered = json.loads(arg(container, "--speculative-config"))
         assert cfg.speculative.method.value == rendered["method"], label
-        tensor = int(arg(container, "--tensor-parallel-size")) if "--tensor-parallel-size" in container["args"] else 1
-        assert cfg.parallel.tensor_parallel_size == tensor, label
-        checked += 1
-    assert checked >= 8
+        checked.add(label.split("/")[0])
+    assert checked == {f"{layout}{lws}" for layout in LAYOUTS for lws in ("", "-lws")}
