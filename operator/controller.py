@@ -217,7 +217,7 @@ def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDe
     warnings = _apply(cluster, body, changes) + _route(cluster, r, t.status.rollout.canary_weight, logger)
     new = t.status.model_copy(update={
         "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *warnings),
-        "selector": names.label_selector(serving_selector(r, leader_worker_set=lws))})
+        "selector": names.label_selector(serving_selector(r, leader_worker_set=lws)), "layout": r.layout.notation})
     if new != status:
         cluster.patch_status(r.namespace, r.name, status_patch(new))
     cluster.remove_annotations(r.namespace, r.name, t.consumed_annotations)

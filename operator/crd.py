@@ -143,6 +143,7 @@ def _column(name: str, type_: str, path: str, description: str, priority: int = 
 PRINTER_COLUMNS = [
     _column("Ready", "string", '.status.conditions[?(@.type=="Ready")].status', "whether the stable revision serves"),
     _column("Method", "string", ".spec.speculative.method", "the proposer method"),
+    _column("Layout", "string", ".status.layout", "the parallel group of a replica, e.g. TP2×PP2"),
     _column("Acceptance", "number", ".status.acceptance.rate", "last measured draft acceptance rate"),
     _column("Revision", "string", ".status.stableRevision", "the stable revision"),
     _column("Degraded", "string", '.status.conditions[?(@.type=="Degraded")].reason',

@@ -100,6 +100,11 @@ class Layout:
     def describe(self) -> str:
         return f"tensor={self.tensor}, pipeline={self.pipeline}, gpusPerPod={self.gpus_per_pod}"
 
+    @property
+    def notation(self) -> str:
+        """``TP2×PP2``: the group as ``kubectl get`` shows it (``status.layout``)."""
+        return f"TP{self.tensor}×PP{self.pipeline}"
+
 
 @dataclass(frozen=True)
 class Resolved:

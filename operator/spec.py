@@ -307,6 +307,7 @@ class SpecDecodeDeploymentStatus(Shared):
     replicas: int = Field(0, ge=0, description="model replicas of every revision (scale subresource)")
     ready_replicas: int = Field(0, ge=0)
     selector: str | None = Field(None, description="label selector of the serving pods (scale subresource)")
+    layout: str | None = Field(None, description="a replica's parallel group, tensor × pipeline ranks, e.g. TP2×PP2")
     acceptance: MeasuredAcceptance | None = None
     warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
     rollout: RolloutStatus = RolloutStatus()

@@ -61,7 +61,9 @@ def test_crd_identity_subresources_and_columns():
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns[:4] == ["Ready", "Method", "Acceptance", "Revision"] and columns[-1] == "Age"
+    assert columns[:5] == ["Ready", "Method", "Layout", "Acceptance", "Revision"] and columns[-1] == "Age"
+    (layout,) = [c for c in version["additionalPrinterColumns"] if c["name"] == "Layout"]
+    assert (layout["jsonPath"], layout["type"]) == (".status.layout", "string")
     schema = served_schema()
     for column in version["additionalPrinterColumns"]:  # every column points at a real field
         if column["jsonPath"].startswith((".spec", ".status")) and "[" not in column["jsonPath"]:

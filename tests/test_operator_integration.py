@@ -230,6 +230,7 @@ def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> Non
     assert status["replicas"] == status["readyReplicas"] == 2
     assert status["selector"] == f"{names.LABEL_NAME}=specdecode,{names.LABEL_INSTANCE}=smollm2-ngram"
     assert status["rollout"]["phase"] == "Stable" and "canaryRevision" not in status
+    assert status["layout"] == "TP1×PP1"
 
     (deployment,) = cluster.deployments("smollm2-ngram").values()
     cluster.apps.delete_namespaced_deployment(deployment.metadata.name, NS)  # the operator makes it again
@@ -253,6 +254,19 @@ def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> Non
     for metric in metrics.ALL:
         assert f"# TYPE {metric} " in exposed, metric
     assert f'{metrics.ROLLOUT_STEP}{{name="smollm2-ngram",namespace="{NS}"}} -1.0' in exposed
+
+
+def test_a_pipeline_layout_runs_a_statefulset_group_per_replica_and_shows_in_status(cluster: Cluster) -> None:
+    """TP2×PP2 on CPU: a pod per stage, two pods per replica; ``kubectl get sdd`` reads status.layout."""
+    stable = running_stable(cluster, parallelism={"tensor": 2, "pipeline": 2})
+    assert cluster.status("smollm2-ngram")["layout"] == "TP2×PP2"
+    groups = cluster.apps.list_namespaced_stateful_set(NS, label_selector=f"{names.LABEL_INSTANCE}=smollm2-ngram")
+    assert sorted(s.metadata.name for s in groups.items) == [names.group_name("smollm2-ngram", stable, g)
+                                                             for g in (0, 1)]
+    for sts in groups.items:
+        (container,) = sts.spec.template.spec.containers
+        assert sts.spec.replicas == 2 and {e.name: e.value for e in container.env}["NNODES"] == "2"
+        assert "--pipeline-parallel-size" in container.args and "--tensor-parallel-size" in container.args
 
 
 def test_schema_violations_are_refused_by_the_api_server(cluster: Cluster) -> None:

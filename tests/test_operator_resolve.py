@@ -48,6 +48,7 @@ def test_gpus_per_pod_default_and_layout(tensor, pipeline, gpus, pods):
     assert r.layout.gpus_per_pod == (tensor if gpus is None else gpus)
     assert r.spec.resources.gpus_per_pod == r.layout.gpus_per_pod
     assert r.layout.pods_per_group == pods and r.layout.single_pod is (pods == 1)
+    assert r.layout.notation == f"TP{tensor}×PP{pipeline}"
 
 
 def test_gpus_per_pod_above_tensor_is_refused():
