@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--skip-peer", action="store_true", help="run ours only (no transformers, no cross-check)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="P > 1: also run ours-nospec and each ours-METHOD as P pipeline stages (<name>-pp<P>), "
+                             "each rank with cores ÷ P threads; speedups stay vs ours-nospec (P = 1)")
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="also run each of our systems with overlap scheduling off (<name>-no-overlap)")
     parser.add_argument("--load-control", type=_load_control, default=LOAD_CONTROL_ON,
                         help="the +lc systems' load_control JSON, e.g. '{\"goodput\": true, \"batch_size_table\": "
                              "[{\"max_batch_size\": 8, \"num_speculative_tokens\": 4}]}' [%s]"
@@ -78,12 +83,15 @@ def _load_control(text: str) -> LoadControl:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.runs < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.busy_retries < 0 or args.quiet_wait < 0:
-        print("bench: --runs, --max-tokens and --concurrency must be >= 1; --busy-retries, --quiet-wait >= 0", file=sys.stderr)
+    if (args.runs < 1 or args.max_tokens < 1 or min(args.concurrency) < 1 or args.pipeline_parallel_size < 1
+            or args.busy_retries < 0 or args.quiet_wait < 0):
+        print("bench: --runs, --max-tokens, --concurrency and --pipeline-parallel-size must be >= 1; --busy-retries, "
+              "--quiet-wait >= 0", file=sys.stderr)
         return 2
     try:
         systems = build_systems(args.method, args.num_speculative_tokens, args.draft_model, args.concurrency,
-                                not args.skip_peer, args.load_control, args.mtp_path)
+                                not args.skip_peer, args.load_control, args.mtp_path, args.pipeline_parallel_size,
+                                args.compare_overlap)
         job = _base_job(args)
         _check_models_installed(args.model, args.draft_model if "draft" in args.method else None)
     except (FileNotFoundError, ValueError) as exc:  # MissingData is a FileNotFoundError
@@ -98,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     rows = report.build_summaries(systems, results, checked)
     truncation = results[NOSPEC].truncation
     print(report.format_table(rows, args.num_speculative_tokens))
+    pipeline_table = report.format_pipeline_table(rows)
+    if pipeline_table:
+        print(f"\npipeline stages, per engine step (rank 0's view):\n{pipeline_table}")
     if truncation is not None:
         print(f"\nprompts ({args.prompts}): {truncation.note()}")
     _print_correctness(checked)
@@ -163,6 +174,7 @@ def _run_systems(systems: list[System], base: Job) -> dict[str, SystemResult]:
                 job = replace(
                     base, system=system.name, concurrency=list(system.concurrency), runs=1,
                     speculative=system.speculative, peer_mode=system.peer_mode,
+                    pipeline_parallel_size=system.pipeline_parallel_size, overlap=system.overlap,
                     prompt_token_ids=first[NOSPEC].prompt_token_ids if NOSPEC in first else None,
                     tie_check_outputs=_single_outputs(first) if system.name == PEER_PLAIN and number == 1 else None,
                 )
@@ -240,6 +252,11 @@ def _write_outputs(
         "config": {k: _jsonable(v) for k, v in vars(args).items() if not callable(v)},
         "method": {
             "ours": "in-process LLMEngine, closed loop (c requests in flight), greedy, ignore_eos, prefix caching off",
+            "ours_layouts": "<name>-pp<P>: rank 0 of P pipeline stages (one process each, cores ÷ P threads each, on "
+                            "this one machine), its group started once per round and its engine reused across runs; "
+                            "<name>-no-overlap: overlap scheduling off; pipeline: per engine step, the verdict "
+                            "message's bytes vs its budget, rank 0's wait for the verdicts (the bubble) and its own "
+                            "stage forward",
             "transformers": "generate(): c=1 one prompt at a time; c>1 one left-padded batch per group of c; "
                             "greedy, KV cache on, eos_token_id=None; prompt-lookup and assisted at c=1 only "
                             "(transformers supports batch size 1 only there), same K, constant schedule",

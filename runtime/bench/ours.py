@@ -8,8 +8,19 @@ Every run (warm-up or timed) gets a fresh engine over the one loaded model: the 
 same prompts, so nothing may carry over from one to the next — not the prefix cache (off), not
 the suffix proposer's cache of earlier outputs (which would otherwise hold the very answers),
 not load control's rolling acceptance. The peer has none of these either.
+
+Pipeline systems (``Job.pipeline_parallel_size`` > 1) are the exception: their engine is rank 0
+of a process group whose start (spawning the other stages, each loading its layers, the
+rendezvous) costs seconds, so this process starts the group once and every run reuses its
+engine (``engine.step()`` directly, as ``AsyncEngine`` would). That is safe only because nothing
+above carries over there: prefix caching is off, ``systems.py`` refuses the suffix proposer with
+stages and gives them no load control, the other proposers keep state per sequence only, and
+the counters read per run (acceptance, pipeline stats) are differences. Each rank runs
+cores ÷ P torch threads (the runtime's rule), whatever ``--threads`` says.
+
 Prompts longer than max-model-len − max-tokens keep their last tokens (``Truncation``). With
-speculation, each run records the engine's own acceptance counters (the ``/metrics`` ones).
+speculation, each run records the engine's own acceptance counters (the ``/metrics`` ones); with
+stages, the pipeline's cost per step (``PipelineSteps``).
 The KV pool is sized so the largest concurrency never preempts.
 """
 from __future__ import annotations
@@ -18,19 +29,26 @@ import platform
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specdecode.runtime.bench.prompts import Messages
 from specdecode.runtime.bench.records import (
-    Job, RequestTiming, RunResult, SystemResult, Truncation, read_job, write_json,
+    Job, PipelineSteps, RequestTiming, RunResult, SystemResult, Truncation, read_job, write_json,
 )
 from specdecode.runtime.bench.schedule import run_schedule
-from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
+from specdecode.runtime.config import (
+    CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
+)
+from specdecode.runtime.engine.async_engine import AsyncEngine
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.sequence import SamplingParams, SpecCounts
 from specdecode.runtime.models.loader import LoadedModel, load_model
+from specdecode.runtime.parallel.pipeline import PipelineExecution, PipelineStats
 
 BLOCK_SIZE = 16
 
@@ -58,20 +76,42 @@ def load(job: Job) -> tuple[LoadedModel, int, list[list[int]], Truncation, float
     return loaded, max_model_len, prompt_ids, truncation, time.perf_counter() - start
 
 
-def new_engine(job: Job, loaded: LoadedModel, max_model_len: int, prompt_ids: list[list[int]]) -> LLMEngine:
-    """A fresh engine over ``loaded`` (the draft model, if any, is loaded again), its KV pool
-    sized for the prompts at the largest concurrency."""
+def engine_config(job: Job, max_model_len: int, prompt_ids: list[list[int]]) -> EngineConfig:
+    """The job's engine config, its KV pool sized for the prompts at the largest concurrency."""
     longest = max(len(p) for p in prompt_ids) + job.max_tokens + 1
-    cfg = EngineConfig(
+    return EngineConfig(
         load=LoadConfig(model=job.model, dtype=job.dtype, device=job.device),
         cache=CacheConfig(
             block_size=BLOCK_SIZE, enable_prefix_caching=False,
             num_blocks=max(job.concurrency) * -(-longest // BLOCK_SIZE) + 1,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=max(32, *job.concurrency), max_model_len=max_model_len),
+        scheduler=SchedulerConfig(max_num_seqs=max(32, *job.concurrency), max_model_len=max_model_len,
+                                  overlap=job.overlap),
         speculative=SpeculativeConfig.model_validate(job.speculative or {}),
+        parallel=ParallelConfig(pipeline_parallel_size=job.pipeline_parallel_size),
     )
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
+
+
+def run_fresh(
+    cfg: EngineConfig, loaded: LoadedModel, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
+    warmup: bool, tag: str,
+) -> RunResult:
+    """One run on a fresh engine over ``loaded`` (the draft model, if any, is loaded again)."""
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype)
+    try:
+        return run_closed_loop(engine, prompt_ids, max_tokens, concurrency, warmup, tag)
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def pipeline_group(cfg: EngineConfig) -> Iterator[LLMEngine]:
+    """Rank 0's engine of a group started for ``cfg``; its worker processes stop on exit."""
+    group = AsyncEngine.from_config(cfg)
+    try:
+        yield group.engine
+    finally:
+        group.shutdown()
 
 
 def spec_counts(engine: LLMEngine) -> SpecCounts:
@@ -86,6 +126,21 @@ def counts_since(before: SpecCounts, after: SpecCounts) -> SpecCounts:
                for i, n in enumerate(after.accepted_per_position)]
     return SpecCounts(after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
                       after.num_accepted_tokens - before.num_accepted_tokens, per_pos)
+
+
+def pipeline_stats(engine: LLMEngine) -> PipelineStats | None:
+    """A copy of the engine's pipeline counters (cumulative); None for an engine in one process."""
+    return replace(engine.execution.stats) if isinstance(engine.execution, PipelineExecution) else None
+
+
+def pipeline_since(before: PipelineStats, after: PipelineStats) -> PipelineSteps:
+    steps = after.steps - before.steps
+
+    def per_step(metric: str) -> float:
+        return (getattr(after, metric) - getattr(before, metric)) / steps if steps else 0.0
+
+    return PipelineSteps(steps, per_step("verdict_bytes"), per_step("verdict_budget_bytes"),
+                         per_step("first_stage_s"), per_step("waiting_s"))
 
 
 def run_closed_loop(
@@ -105,7 +160,7 @@ def run_closed_loop(
         started[i] = time.perf_counter()
         engine.add_request(request_id, prompt_ids[i], params)
 
-    spec_before = spec_counts(engine)
+    spec_before, pipeline_before = spec_counts(engine), pipeline_stats(engine)
     t0 = time.perf_counter()
     while pending and len(engine.requests) < concurrency:
         admit()
@@ -123,17 +178,23 @@ def run_closed_loop(
     wall = time.perf_counter() - t0
     timings = [RequestTiming.from_arrivals(started[i], arrivals[i]) for i in range(len(prompt_ids))]
     spec = counts_since(spec_before, spec_counts(engine)) if engine.proposer is not None else None
-    return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs, spec=spec)
+    pipeline = pipeline_since(pipeline_before, pipeline_stats(engine)) if pipeline_before is not None else None
+    return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs, spec=spec,
+                     pipeline=pipeline)
 
 
 def run_job(job: Job) -> SystemResult:
     torch.set_num_threads(job.threads)
     loaded, max_model_len, prompt_ids, truncation, load_s = load(job)
-    runs = run_schedule(
-        job.system, job, prompt_ids,
-        lambda ids, c, warmup, tag: run_closed_loop(new_engine(job, loaded, max_model_len, prompt_ids), ids,
-                                                    job.max_tokens, c, warmup, tag),
-    )
+    cfg = engine_config(job, max_model_len, prompt_ids)
+    if job.pipeline_parallel_size == 1:
+        runs = run_schedule(job.system, job, prompt_ids, lambda ids, c, warmup, tag: run_fresh(
+            cfg, loaded, ids, job.max_tokens, c, warmup, tag))
+    else:
+        del loaded  # each stage loads its own layers
+        with pipeline_group(cfg) as engine:
+            runs = run_schedule(job.system, job, prompt_ids, lambda ids, c, warmup, tag: run_closed_loop(
+                engine, ids, job.max_tokens, c, warmup, tag))
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     return SystemResult(job.system, versions, torch.get_num_threads(), load_s, prompt_ids, runs, truncation=truncation)
 

@@ -35,6 +35,8 @@ class Job:
     prompt_lookup_max: int = 4  # transformers' max_matching_ngram_size = our n-gram window's top
     assistant_model: str | None = None  # transformers-assisted: the draft model
     prompt_token_ids: list[list[int]] | None = None  # ours tokenizes (and truncates); peers reuse its ids
+    pipeline_parallel_size: int = 1  # ours: pipeline stages
+    overlap: bool = True  # ours: overlap scheduling
     # other systems' outputs at c=1, by system: where one differs from this system's, check ties
     tie_check_outputs: dict[str, list[list[int]]] | None = None
 
@@ -56,6 +58,33 @@ class RequestTiming:
 
 
 @dataclass
+class PipelineSteps:
+    """A pipeline system's cost per engine step over one run (or pooled over runs), as rank 0 sees
+    it (``PipelineStats``): the verdict message's bytes and their budget R·(K+1) tokens + 2R counts
+    (+ R·K drafts), rank 0's own stage forward, and its wait from handing the hidden states on
+    until the verdicts arrive — the pipeline bubble on rank 0."""
+
+    steps: int
+    verdict_bytes_per_step: float
+    verdict_budget_bytes_per_step: float
+    first_stage_s_per_step: float
+    waiting_s_per_step: float
+
+    @classmethod
+    def pool(cls, runs: list["PipelineSteps"]) -> "PipelineSteps | None":
+        """Several runs as one: per-step figures weighted by steps (None without steps)."""
+        steps = sum(r.steps for r in runs)
+        if not steps:
+            return None
+
+        def mean(metric: str) -> float:
+            return sum(getattr(r, metric) * r.steps for r in runs) / steps
+
+        return cls(steps, mean("verdict_bytes_per_step"), mean("verdict_budget_bytes_per_step"),
+                   mean("first_stage_s_per_step"), mean("waiting_s_per_step"))
+
+
+@dataclass
 class RunResult:
     concurrency: int
     warmup: bool
@@ -67,6 +96,7 @@ class RunResult:
     discarded: bool = False  # too much competing CPU: repeated, kept for the record, not reported
     spec: SpecCounts | None = None  # ours with speculation: the engine's counters over this run
     round: int = 1  # the benchmark round this run belongs to (command.py interleaves systems by round)
+    pipeline: PipelineSteps | None = None  # ours with pipeline stages: their cost over this run
 
     @property
     def tokens_per_s(self) -> float:
@@ -142,6 +172,7 @@ class SystemResult:
             RunResult(**{
                 **r, "requests": [RequestTiming(**t) for t in r["requests"]],
                 "spec": SpecCounts(**r["spec"]) if r.get("spec") else None,
+                "pipeline": PipelineSteps(**r["pipeline"]) if r.get("pipeline") else None,
             })
             for r in data["runs"]
         ]

@@ -6,9 +6,10 @@ system runs once per round, ``command.py``). Per timed run we take tokens/s (gen
 wall time) and the p50 over requests of TTFT, ITL and e2e; the table shows the median of those
 over the rounds. *vs ours-nospec* = tokens/s ÷ ours-nospec's, *vs transformers* = tokens/s ÷ the
 transformers system doing the same thing (``System.peer``), both at the same concurrency and
-taken within each round, then the median over rounds (``paired_ratio``): the machine's speed
-drifts between rounds more than the ratios we judge. Acceptance is pooled over the timed runs
-(``acceptance.py``).
+taken within each round, then the median over rounds (``paired_ratios``): the machine's speed
+drifts between rounds more than the ratios we judge; with several rounds the table also shows
+the range of the per-round ratios vs ours-nospec. Acceptance, and a pipeline system's cost per
+step (``PipelineSteps``), are pooled over the timed runs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from specdecode.runtime.bench import acceptance
 from specdecode.runtime.bench.correctness import Correctness
-from specdecode.runtime.bench.records import SystemResult
+from specdecode.runtime.bench.records import PipelineSteps, SystemResult
 from specdecode.runtime.bench.schedule import BUSY_CORES
 from specdecode.runtime.bench.systems import NOSPEC, System
 
@@ -32,8 +33,10 @@ class Summary:
     itl_p50_s: float
     e2e_p50_s: float
     vs_nospec: float | None = None
+    vs_nospec_range: tuple[float, float] | None = None  # lowest and highest per-round ratio
     vs_peer: float | None = None
     acceptance: acceptance.Acceptance | None = None  # ours with speculation only
+    pipeline: PipelineSteps | None = None  # ours with pipeline stages only
     busy: bool = False  # a reported run had > BUSY_CORES of competing CPU: its timing is inflated
     check: str = ""
 
@@ -45,6 +48,7 @@ def summarize(result: SystemResult, concurrency: int) -> Summary:
         return statistics.median(statistics.median(getattr(t, metric) for t in r.requests) for r in runs)
 
     counts = [r.spec for r in runs if r.spec is not None]
+    pipeline = [r.pipeline for r in runs if r.pipeline is not None]
     competing = [r.competing_cpu_cores for r in runs if r.competing_cpu_cores is not None]
     return Summary(
         result.system,
@@ -54,6 +58,7 @@ def summarize(result: SystemResult, concurrency: int) -> Summary:
         median_p50("itl_s"),
         median_p50("e2e_s"),
         acceptance=acceptance.summarize(counts) if counts else None,
+        pipeline=PipelineSteps.pool(pipeline),
         busy=max(competing, default=0.0) > BUSY_CORES,
     )
 
@@ -67,16 +72,22 @@ def build_summaries(systems: list[System], results: dict[str, SystemResult], cor
         r.check = correctness.label(r.system, r.concurrency)
         if r.system != NOSPEC and NOSPEC in results:
             r.vs_nospec = paired_ratio(results[r.system], results[NOSPEC], r.concurrency)
+            ratios = paired_ratios(results[r.system], results[NOSPEC], r.concurrency)
+            r.vs_nospec_range = (min(ratios), max(ratios)) if len(ratios) > 1 else None
         if peer_of.get(r.system) in results:
             r.vs_peer = paired_ratio(results[r.system], results[peer_of[r.system]], r.concurrency)
     return rows
 
 
-def paired_ratio(system: SystemResult, baseline: SystemResult, concurrency: int) -> float | None:
-    """Median over rounds of ``system``'s tokens/s ÷ ``baseline``'s in the same round; None where
-    they share no round at this concurrency."""
+def paired_ratios(system: SystemResult, baseline: SystemResult, concurrency: int) -> list[float]:
+    """Per round that both ran at this concurrency: ``system``'s tokens/s ÷ ``baseline``'s."""
     base = {r.round: r.tokens_per_s for r in baseline.timed(concurrency)}
-    ratios = [r.tokens_per_s / base[r.round] for r in system.timed(concurrency) if r.round in base]
+    return [r.tokens_per_s / base[r.round] for r in system.timed(concurrency) if r.round in base]
+
+
+def paired_ratio(system: SystemResult, baseline: SystemResult, concurrency: int) -> float | None:
+    """Median over rounds of ``paired_ratios``; None where they share no round at this concurrency."""
+    ratios = paired_ratios(system, baseline, concurrency)
     return statistics.median(ratios) if ratios else None
 
 
@@ -90,12 +101,31 @@ def format_table(rows: list[Summary], k: int) -> str:
         cells = [
             r.system, str(r.concurrency), f"{r.tokens_per_s:.1f}" + (" (busy)" if r.busy else ""),
             f"{r.ttft_p50_s * 1e3:.0f}", f"{r.itl_p50_s * 1e3:.1f}",
-            _ratio(r.vs_nospec), _ratio(r.vs_peer),
+            _ratio(r.vs_nospec) + (" ({:.2f}–{:.2f})".format(*r.vs_nospec_range) if r.vs_nospec_range else ""),
+            _ratio(r.vs_peer),
             f"{acc.rate:.2f}" if acc and acc.rate is not None else "",
             f"{acc.mean_length:.2f}" if acc and acc.mean_length is not None else "",
             acceptance.format_per_position(acc.per_position, k) if acc and acc.num_drafts else "",
             r.check,
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_pipeline_table(rows: list[Summary]) -> str:
+    """The pipeline systems' cost per engine step, pooled over their timed runs, as a Markdown
+    table ("" without pipeline systems). Bubble = rank 0's wait from handing its hidden states on
+    until the verdicts arrive."""
+    piped = [r for r in rows if r.pipeline is not None]
+    if not piped:
+        return ""
+    head = ["system", "c", "steps", "verdict bytes/step", "budget bytes/step", "bubble ms/step", "first stage ms/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in piped:
+        p = r.pipeline
+        cells = [r.system, str(r.concurrency), str(p.steps), f"{p.verdict_bytes_per_step:.0f}",
+                 f"{p.verdict_budget_bytes_per_step:.0f}", f"{p.waiting_s_per_step * 1e3:.1f}",
+                 f"{p.first_stage_s_per_step * 1e3:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
