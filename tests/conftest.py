@@ -335,6 +335,34 @@ def tiny(tiny_hf_model_dir):
     return loaded.model, loaded.tokenizer
 
 
+def copy_hf_folder(src, dst, weights: dict[str, torch.Tensor], **config_changes) -> str:
+    """An HF folder with ``src``'s tokenizer files, its config updated, and ``weights``."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
+    save_file(weights, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_hf_model_dir, tmp_path_factory):
+    """The tiny target's weights plus noise: a draft that agrees often, not always."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(1)
+    weights = load_file(str(tiny_hf_model_dir / "model.safetensors"))
+    noisy = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    return copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("tiny-draft"), noisy)
+
+
 @pytest.fixture(scope="session")
 def write_random_mtp_head():
     """``write(model, folder, num_modules=1, seed=0, draft_vocab=True) -> str``: a randomly
@@ -374,14 +402,14 @@ def sharp(tiny_hf_model_dir):
 
 
 def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32, spec=None,
-                 device="cpu", dtype=torch.float32):
+                 device="cpu", dtype=torch.float32, overlap=True):
     """An engine (on the CPU in fp32 unless told); ``spec`` is a SpeculativeConfig dict (snake_case) or None."""
     from specdecode.runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from specdecode.runtime.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, overlap=overlap),
         speculative=SpeculativeConfig(**(spec or {})),
     )
     return LLMEngine(model, tokenizer, cfg, 2048, torch.device(device), dtype)

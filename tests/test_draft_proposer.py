@@ -3,12 +3,11 @@ draft accepted; a different draft: every lossless strategy), draft forward token
 the prefix again; long prompts fed in budget-sized chunks), sampled drafts follow the draft
 distribution and rejection keeps the target's, tokenizer checks, draft KV freed on finish/abort, a too-small draft pool and target preemption."""
 import json
-import math
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from conftest import copy_hf_folder
+from safetensors.torch import load_file
 
 from specdecode.runtime.config import VerifyStrategy
 from specdecode.runtime.engine.sampler import SamplerRow, sampling_probs
@@ -21,31 +20,10 @@ LOSSLESS = ["greedy", "target_match", "rejection"]
 TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):", "The quick brown fox", "Once upon a time", "1, 2, 3,"]
 
 
-def copy_hf_folder(src, dst, weights: dict[str, torch.Tensor], **config_changes) -> str:
-    """An HF folder with ``src``'s tokenizer files, its config updated, and ``weights``."""
-    dst.mkdir(exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
-    config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
-    save_file(weights, str(dst / "model.safetensors"))
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
 def smol_dir(smollm2, smollm2_gguf, cache_dir):
     """SmolLM2 as the HF folder the weight cache holds (loading it as a draft skips dequantization)."""
     return str(weight_cache.lookup(cache_dir, smollm2_gguf, torch.float32))
-
-
-@pytest.fixture(scope="module")
-def tiny_draft_dir(tiny_hf_model_dir, tmp_path_factory):
-    """The tiny target's weights plus noise: a draft that agrees often, not always."""
-    gen = torch.Generator().manual_seed(1)
-    weights = load_file(str(tiny_hf_model_dir / "model.safetensors"))
-    noisy = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    return copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("tiny-draft"), noisy)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +54,8 @@ def count_forward_tokens(engine) -> list[int]:
 
 
 def run_counting(engine, prompts, params) -> tuple[list[list[int]], list[list[int]]]:
-    """Run to completion; (outputs, the tokens of each draft forward, per engine step)."""
+    """Run to completion; (outputs, the tokens of each draft forward, per engine step). For engines
+    with overlap off: with it on, a call proposes the next step's drafts too."""
     counts = count_forward_tokens(engine)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -107,7 +86,7 @@ def test_same_model_as_draft_is_always_accepted(smollm2, smol_dir, make_engine, 
     params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
     expected = run_all(make_engine(smollm2.model, smollm2.tokenizer, num_blocks=16), prompts, params)
     spec = {"method": "draft", "draft_model": smol_dir, "num_speculative_tokens": 4, "verify": "greedy", "draft_kv_cache_blocks": 16}
-    engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec, num_blocks=16)
+    engine = make_engine(smollm2.model, smollm2.tokenizer, spec=spec, num_blocks=16, overlap=False)
     got, per_step = run_counting(engine, prompts, params)
     for prompt, e, a in zip(prompts, expected, got):
         assert_greedy_match(smollm2.model, prompt, e, a)
@@ -121,7 +100,7 @@ def test_same_model_as_draft_is_always_accepted(smollm2, smol_dir, make_engine, 
 @pytest.mark.parametrize("verify", LOSSLESS)
 def test_different_draft_greedy_equals_no_spec(tiny, tiny_draft_dir, tiny_prompts, tiny_nospec, make_engine, assert_greedy_match, verify):
     spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": 3, "verify": verify}
-    engine = make_engine(*tiny, spec=spec)
+    engine = make_engine(*tiny, spec=spec, overlap=False)
     got, per_step = run_counting(engine, tiny_prompts, GREEDY)
     for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
         assert_greedy_match(tiny[0], prompt, expected, actual)
@@ -138,7 +117,7 @@ def test_prompt_catch_up_is_chunked_to_the_step_budget(tiny, tiny_draft_dir, tin
     budget, k = 8, 3
     assert max(len(p) for p in tiny_prompts) > budget
     spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": k}
-    engine = make_engine(*tiny, spec=spec, budget=budget)
+    engine = make_engine(*tiny, spec=spec, budget=budget, overlap=False)
     got, per_step = run_counting(engine, tiny_prompts, GREEDY)
     for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
         assert_greedy_match(tiny[0], prompt, expected, actual)
@@ -154,7 +133,7 @@ def test_goodput_explores_on_the_sequences_with_the_least_catch_up(tiny, tiny_dr
     the draft has least to catch up on, so exploring does not feed it every prompt; outputs stay
     the no-spec ones."""
     spec = {"method": "draft", "draft_model": tiny_draft_dir, "num_speculative_tokens": 3, "load_control": {"goodput": True}}
-    engine = make_engine(*tiny, spec=spec)
+    engine = make_engine(*tiny, spec=spec, overlap=False)
     asked: list[list[int]] = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda seqs, caps: asked.append([s.seq_id for s in seqs]) or propose(seqs, caps)

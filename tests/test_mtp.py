@@ -78,9 +78,10 @@ def test_greedy_equals_no_spec_under_chunked_prefill_preemption_and_n(
 def test_one_target_forward_per_step_and_the_head_catches_up_at_most_k_plus_1_rows(sharp, sharp_head, prompts, make_engine):
     """Per step: one target forward; per decoding sequence the head's catch-up runs its accepted
     slots and its pending slot (≤ K + 1 rows; a prompt once, when it is prefilled) and each further
-    draft one chained row."""
+    draft one chained row. Overlap off: with it on, step N+1's drafts are proposed inside the call
+    that runs step N, so the rows would not line up with the calls."""
     k = 3
-    engine = make_engine(*sharp, spec=mtp(sharp_head, k=k))
+    engine = make_engine(*sharp, spec=mtp(sharp_head, k=k), overlap=False)
     proposer: MtpProposer = engine.proposer
     rows: list[tuple[str, int]] = []
     run, chain, schedule = proposer._run, proposer._chain, engine.scheduler.schedule

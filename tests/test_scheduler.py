@@ -3,6 +3,8 @@ proposed only for sequences scheduled this step (after the running ones are plac
 ones are admitted), and never outlive their step."""
 from __future__ import annotations
 
+import pytest
+
 from specdecode.runtime.config import SchedulerConfig
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.scheduler import Scheduler
@@ -72,19 +74,20 @@ class SpyProposer(Proposer):
         return Proposal([[0] * k for k in max_drafts])
 
 
-def test_drafts_are_asked_only_of_scheduled_sequences_and_die_with_their_step(sharp, make_engine):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_drafts_are_asked_only_of_scheduled_sequences_and_die_with_their_step(sharp, make_engine, overlap):
     model, tok = sharp
-    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}, budget=6)
+    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}, budget=6, overlap=overlap)
     spy = engine.proposer = SpyProposer()
     scheduled_per_step = []
-    original = engine.scheduler.schedule
+    original = engine.scheduler.schedule_running  # the running sequences' share of a step, with or without overlap
 
     def schedule(*args, **kwargs):
         items = original(*args, **kwargs)
         scheduled_per_step.append({i.seq.seq_id: i for i in items})
         return items
 
-    engine.scheduler.schedule = schedule
+    engine.scheduler.schedule_running = schedule
     for i in range(4):
         engine.add_request(str(i), tok.encode("hello hello hello"), GREEDY)
     for _ in range(12):

@@ -77,7 +77,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":
         """Load the model; with tensor parallelism, as rank 0 of a group it forms (see ``parallel``)."""
-        if cfg.parallel.tensor_parallel_size > 1:
+        if cfg.parallel.world_size > 1:
             from specdecode.runtime.parallel.leader import start_leader_engine
 
             engine, name, leader = start_leader_engine(cfg)
@@ -113,6 +113,7 @@ class AsyncEngine:
             if stepping:  # stuck in a step: no shutdown message can go out beside it
                 log.error("the engine thread did not stop within 30s")
                 return
+        self.engine.shutdown()
         if self.leader is not None:
             self.leader.shutdown()
 

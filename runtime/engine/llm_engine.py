@@ -1,10 +1,21 @@
-"""The synchronous engine: add requests, then ``step()`` until they finish.
+"""The engine: add requests, then ``step()`` until they finish.
 
 One step = schedule (room for drafts reserved) → propose (drafts for the scheduled decoding
-sequences only) → score (one target forward over every scheduled token, drafts included) →
-verify → accept (append, check stops) → let the proposer observe the forward's hidden states →
-report deltas. Without a proposer the propose step is empty and verification of zero drafts is
-plain sampling.
+sequences only) → build the inputs → score (one target forward over every scheduled token,
+drafts included) → verify → accept (append, check stops) → let the proposer observe the forward's
+hidden states → report deltas. Without a proposer the propose step is empty and verification of
+zero drafts is plain sampling. Scoring and verifying run in an ``Execution`` (this process, or the
+pipeline stages).
+
+*Overlap scheduling* (``SchedulerConfig.overlap``): while step N runs, the engine schedules step
+N+1's prompt chunks and admissions and builds their inputs (``Scheduler.schedule_ahead``),
+keeping ``next_real_bsz * token_num_one_step`` tokens of the budget — K+1 per sequence deciding
+in step N — for the decode rows. When step N's verdicts arrive they are applied first; then the
+decode rows of the sequences still running are scheduled (drafts proposed from the accepted
+tokens) and built, so lengths and positions come from the verdicts, never from a guess. A
+sequence that finished in step N gets no row in N+1 (its reservation is discarded), and nothing
+more is emitted for it. ``events`` records the order (tests read it); with overlap off every
+step is scheduled and built only after the previous one's verdicts.
 """
 from __future__ import annotations
 
@@ -13,6 +24,8 @@ from typing import TYPE_CHECKING
 import itertools
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +35,8 @@ from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
 from specdecode.runtime.engine.load_control import LoadController
-from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
+from specdecode.runtime.engine.execution import Execution, LocalExecution, StepResult
+from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep, num_kv_blocks
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq, Scheduler
 from specdecode.runtime.engine.sequence import (
@@ -31,6 +45,7 @@ from specdecode.runtime.engine.sequence import (
     RequestOutput,
     SamplingParams,
     Sequence,
+    SequenceStatus,
     SpecCounts,
 )
 from specdecode.runtime.engine.verifier import Verdict, Verifier
@@ -70,6 +85,24 @@ class _Completion:
     stop_reason: str | int | None = None
 
 
+def draft_cap(seq: Sequence, k: int, max_model_len: int) -> int:
+    """Drafts worth scoring: never past max_tokens or the context (one slot stays for the bonus)."""
+    p = seq.params
+    if p.num_speculative_tokens is not None:
+        k = min(k, p.num_speculative_tokens)
+    return max(0, min(k, p.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq) - 1))
+
+
+@dataclass
+class _Plan:
+    """A step ready to launch: its sequences, their inputs and the deciding items' sampler rows."""
+
+    scheduled: list[ScheduledSeq]
+    inputs: PreparedStep
+    deciding: list[ScheduledSeq]  # the items whose step decides tokens (``samples`` turns False once they are appended)
+    rows: list[SamplerRow]  # theirs
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -92,6 +125,7 @@ class LLMEngine:
         dtype: torch.dtype,
         channel: StepChannel | None = None,  # rank 0 of a tensor-parallel group: sends each step to the others
         proposer: Proposer | None = None,  # instead of the one ``cfg.speculative`` builds
+        execution: Callable[[ModelRunner], Execution] | None = None,  # instead of this process (pipeline stages)
     ):
         block_size = cfg.cache.block_size
         num_blocks = num_kv_blocks(cfg.cache, model, dtype)
@@ -110,7 +144,14 @@ class LLMEngine:
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
+        self.overlap = cfg.scheduler.overlap
+        self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
+        self.token_num_one_step = 1 + (spec.num_speculative_tokens if self.proposer is not None else 0)
+        self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases
+        self._step_number = 0
+        self._next: _Plan | None = None  # step N+1, prepared while step N ran
+        self.overlapped_host_s = 0.0  # host seconds spent on step N+1 while step N ran (what overlap hides)
         self.spec = SpecCounts()
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -138,34 +179,103 @@ class LLMEngine:
         for c in request.completions:
             if not c.seq.is_finished:
                 c.seq.finish_reason = FinishReason.ABORT
-                self.scheduler.finish(c.seq)
-                if self.proposer is not None:
-                    self.proposer.finished(c.seq)
+                self._release(c.seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
+        plan = self._launchable(self._next) or self._plan_now()
+        self._next = None
+        if plan is None:
+            return []
         started = time.perf_counter()
+        self._step_number += 1
+        pending = self.execution.launch(plan.scheduled, plan.inputs, plan.rows)
+        self._event("launched")
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
+        ahead = None
+        if self.overlap:
+            before = time.perf_counter()
+            ahead = self._plan_ahead(plan)
+            self.overlapped_host_s += time.perf_counter() - before
+        result = pending()
+        self._event("verdicts read")
+        self._apply(plan, result)
+        if ahead is not None:
+            self._next = self._complete(plan, *ahead)
+        scored = sum(row.num_rows for row in plan.rows)
+        self.load_control.observe_step(sum(item.num_tokens for item in plan.scheduled) - scored,
+                                       time.perf_counter() - started)
+        return self._collect_outputs()
+
+    def shutdown(self) -> None:
+        self.execution.close()
+
+    def _event(self, what: str, step: int | None = None) -> None:
+        self.events.append((what, self._step_number if step is None else step))
+
+    def _plan_now(self) -> _Plan | None:
+        """Schedule and build a step after the previous one's verdicts (overlap off, or nothing prepared)."""
         scheduled = self.scheduler.schedule(self._draft_caps(), self._propose)
         self._forget_preempted()
-        if not scheduled:
-            return []
-        out = self.runner.execute(scheduled)
+        return self._build(scheduled) if scheduled else None
+
+    def _build(self, scheduled: list[ScheduledSeq], inputs: PreparedStep | None = None) -> _Plan:
+        self._event("inputs built", self._step_number + 1)
+        inputs = inputs or self.runner.prepare(scheduled)
         deciding = [item for item in scheduled if item.samples]
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
-        if deciding:
-            verdicts = self.verifier(out.logits, [self._sampler_row(item) for item in deciding])
-            for item, verdict in zip(deciding, verdicts):
-                self._accept(item, verdict)
-        if self.proposer is not None:
-            self.proposer.observe(scheduled, out.hidden)
-        for item in scheduled:
+        if self.execution.draft_slots_ahead:
+            for item in deciding:  # best effort: never preempts (the proposer drafts less where it gets none)
+                self.blocks.grow(item.seq, item.start + item.num_tokens + self.execution.draft_slots_ahead)
+        return _Plan(scheduled, inputs, deciding, [self._sampler_row(item) for item in deciding])
+
+    def _launchable(self, plan: _Plan | None) -> _Plan | None:
+        """The prepared ``plan`` without the sequences that stopped running since (aborted; rebuilt then)."""
+        if plan is None:
+            return None
+        kept = [item for item in plan.scheduled if item.seq.status is SequenceStatus.RUNNING]
+        if len(kept) == len(plan.scheduled):
+            return plan
+        return self._build(kept) if kept else None
+
+    def _plan_ahead(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None]:
+        """Step N+1's prompt chunks and admissions, built while step N runs (see the module docstring)."""
+        ahead = self.scheduler.schedule_ahead(len(plan.deciding) * self.token_num_one_step)
+        inputs = self.runner.prepare(ahead) if ahead else None
+        self._event("inputs built ahead", self._step_number + 1)
+        return ahead, inputs
+
+    def _complete(self, plan: _Plan, ahead: list[ScheduledSeq], ahead_inputs: PreparedStep | None) -> _Plan | None:
+        """Step N+1 once step N's verdicts are in: the decode rows of its deciding sequences that
+        still run (drafts proposed now), before the rows built ahead."""
+        decoding = []
+        for item in plan.deciding:
+            if item.seq.is_finished:
+                self._event(f"discarded seq {item.seq.seq_id}", self._step_number + 1)
+            else:
+                decoding.append(item.seq)
+        budget = self.scheduler.cfg.max_num_batched_tokens - sum(item.num_tokens for item in ahead)
+        decode = self.scheduler.schedule_running(decoding, budget, self._draft_caps(), self._propose)
+        self._forget_preempted()
+        kept = [item for item in ahead if item.seq in self.scheduler.running]
+        scheduled = decode + kept
+        if not scheduled:
+            return None
+        if len(kept) < len(ahead) or ahead_inputs is None:  # a decode row preempted a sequence built ahead
+            return self._build(scheduled)
+        return self._build(scheduled, self.runner.prepare(decode).then(ahead_inputs) if decode else ahead_inputs)
+
+    def _apply(self, plan: _Plan, result: StepResult) -> None:
+        """Accept step N's verdicts, let the proposer observe, commit the full blocks."""
+        for item, verdict in zip(plan.deciding, result.verdicts):
+            self._accept(item, verdict)
+        if self.proposer is not None and result.hidden is not None:
+            self.proposer.observe(plan.scheduled, result.hidden)
+        for item in plan.scheduled:
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
-        self.load_control.observe_step(sum(item.num_tokens for item in scheduled) - len(out.logits), time.perf_counter() - started)
-        return self._collect_outputs()
 
     def _draft_caps(self) -> dict[int, int]:
         """Drafts each decoding sequence may get this step (by seq_id), from load control and the
@@ -179,7 +289,7 @@ class LLMEngine:
         prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
         budget = self.load_control.budget(len(running), len(decoding), prefill)
         asked = self._explorers(decoding, budget.explorers) if budget.explorers else decoding
-        return {s.seq_id: cap for s in asked if (cap := self._draft_cap(s, budget.k)) > 0}
+        return {s.seq_id: cap for s in asked if (cap := draft_cap(s, budget.k, self.max_model_len)) > 0}
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> None:
         """Fill the drafts of the scheduled sequences that have room reserved for them."""
@@ -193,8 +303,9 @@ class LLMEngine:
 
     def _forget_preempted(self) -> None:
         """Preempted sequences lost their KV: proposers that keep state in the target's slots recompute it."""
-        if self.proposer is not None:
-            for seq in self.scheduler.preempted:
+        for seq in self.scheduler.preempted:
+            self.execution.preempted(seq)
+            if self.proposer is not None:
                 self.proposer.preempted(seq)
 
     def _explorers(self, decoding: list[Sequence], at_least: int) -> list[Sequence]:
@@ -206,13 +317,6 @@ class LLMEngine:
         if len(ready) >= at_least:
             return ready
         return [decoding[i] for i in sorted(range(len(decoding)), key=catch_up.__getitem__)[:at_least]]
-
-    def _draft_cap(self, seq: Sequence, k: int) -> int:
-        """Drafts worth scoring: never past max_tokens or the context (one slot stays for the bonus)."""
-        p = seq.params
-        if p.num_speculative_tokens is not None:
-            k = min(k, p.num_speculative_tokens)
-        return max(0, min(k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq) - 1))
 
     def _accept(self, item: ScheduledSeq, verdict: Verdict) -> None:
         """Append the verdict's tokens; accepted drafts already have K/V, so they count as computed."""
@@ -292,9 +396,13 @@ class LLMEngine:
     def _finish(self, completion: _Completion, reason: FinishReason, stop_reason: str | int | None) -> None:
         completion.seq.finish_reason = reason
         completion.stop_reason = stop_reason
-        self.scheduler.finish(completion.seq)
+        self._release(completion.seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.execution.finished(seq)
         if self.proposer is not None:
-            self.proposer.finished(completion.seq)
+            self.proposer.finished(seq)
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []

@@ -9,7 +9,7 @@ KV heads under the same block tables.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +27,11 @@ SHORT_QUERY_TOKENS = 16
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+    """A block's bytes on the rank with the most layers (the first stage): every stage sizes its
+    pool alike, so the block tables rank 0 sends are valid on each."""
     c = model.config
-    return 2 * model.num_local_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    layers = len(replace(model.stage, rank=0).layers(c.num_layers))
+    return 2 * layers * block_size * model.num_local_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
 
 
 def num_kv_blocks(cache: CacheConfig, model: DecoderLM, dtype: torch.dtype) -> int:
@@ -52,6 +55,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         self.channel = channel  # rank 0 of a tensor-parallel group; None otherwise
         shape = (num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
         self.kv_pools = [
@@ -63,19 +67,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """Forward every scheduled token (rows in scheduled order, each item's ``num_tokens`` rows)."""
-        input_ids, batch, sample_rows = self.prepare(scheduled)
+        return self.run(self.prepare(scheduled))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepOutput:
+        """The forward of a prepared step (with the other tensor-parallel ranks, through the channel)."""
         if self.channel is None:
-            hidden = self.forward(input_ids, batch)
+            hidden = self.forward(step.input_ids, step.batch)
         else:
-            hidden = self.channel.run_step(input_ids, batch, self.forward)
-        return StepOutput(self.model.compute_logits(hidden[sample_rows]), hidden)
+            hidden = self.channel.run_step(step.input_ids, step.batch, self.forward)
+        return StepOutput(self.model.compute_logits(hidden[step.sample_rows]), hidden)
 
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """input_ids: [T] long → hidden states [T, hidden] (pre-norm), K/V written into the pools."""
+    def forward(self, inputs: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """inputs: token ids [T] long (first stage) or the previous stage's hidden [T, hidden] →
+        hidden states [T, hidden] (pre-norm), K/V written into the pools."""
         self.num_forwards += 1
-        return self.model(input_ids, self.kv_pools, batch)
+        return self.model(inputs, self.kv_pools, batch)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor]:
+    def prepare(self, scheduled: list[ScheduledSeq]) -> PreparedStep:
         tokens: list[int] = []
         sample_rows: list[int] = []
         for item in scheduled:
@@ -87,7 +96,27 @@ class ModelRunner:
         spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
         batch = build_attention_batch(spans, self.block_size, self.device)
         to = dict(device=self.device, dtype=torch.long)
-        return torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to)
+        return PreparedStep(torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to))
+
+
+@dataclass
+class PreparedStep:
+    """A step's model inputs, built on the host and moved to the device once."""
+
+    input_ids: torch.Tensor  # [T] long
+    batch: AttentionBatch
+    sample_rows: torch.Tensor  # [R] long: the rows whose logits decide tokens
+
+    def then(self, other: PreparedStep) -> PreparedStep:
+        """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a
+        step's prompt chunks while the previous step runs, its decode rows after)."""
+        offset = self.input_ids.numel()
+        groups = [replace(g, token_index=g.token_index + offset) for g in other.batch.groups]
+        batch = AttentionBatch(torch.cat([self.batch.positions, other.batch.positions]),
+                               torch.cat([self.batch.slot_mapping, other.batch.slot_mapping]),
+                               self.batch.groups + groups)
+        return PreparedStep(torch.cat([self.input_ids, other.input_ids]), batch,
+                            torch.cat([self.sample_rows, other.sample_rows + offset]))
 
 
 @dataclass

@@ -88,11 +88,39 @@ class Scheduler:
         """This step's sequences: running ones first, each decoding one with room reserved for up to
         ``draft_caps[seq_id]`` drafts; then ``propose`` fills the running ones' drafts (trimming
         what it does not use), and waiting sequences are admitted with the token budget left."""
-        budget = self.cfg.max_num_batched_tokens
+        self.preempted = []
+        scheduled = self.schedule_running(list(self.running), self.cfg.max_num_batched_tokens, draft_caps, propose)
+        return scheduled + self._admit(self.cfg.max_num_batched_tokens - sum(i.num_tokens for i in scheduled))
+
+    def schedule_ahead(self, reserved_tokens: int) -> list[ScheduledSeq]:
+        """Overlap scheduling: while a step runs, the next step's work that does not depend on its
+        verdicts — the next prompt chunks of running sequences that decide nothing in the running
+        step (those that do have nothing left to compute until their verdicts come) and newly
+        admitted sequences — within the budget left after ``reserved_tokens`` (the decode rows
+        that follow the verdicts). Never preempts: a chunk without free blocks waits a step."""
+        self.preempted = []
+        budget = self.cfg.max_num_batched_tokens - reserved_tokens
+        scheduled = []
+        for seq in list(self.running):
+            num = min(len(seq) - seq.num_computed_tokens, budget)
+            if num > 0 and self.blocks.grow(seq, seq.num_computed_tokens + num):
+                scheduled.append(ScheduledSeq(seq, num))
+                budget -= num
+        return scheduled + self._admit(budget)
+
+    def schedule_running(
+        self,
+        seqs: list[Sequence],
+        budget: int,
+        draft_caps: Mapping[int, int] | None = None,
+        propose: Callable[[list[ScheduledSeq]], None] | None = None,
+    ) -> list[ScheduledSeq]:
+        """``seqs`` (running) within ``budget`` tokens, drafts reserved up to their caps and filled
+        by ``propose``; under KV pressure drafts shrink, then the most recently admitted running
+        sequences are preempted (``preempted`` lists them)."""
         caps = draft_caps or {}
         scheduled: list[ScheduledSeq] = []
-        self.preempted = []
-        for seq in list(self.running):
+        for seq in seqs:
             if seq not in self.running:  # preempted by an earlier sequence of this loop
                 continue
             num = min(len(seq) - seq.num_computed_tokens, budget)
@@ -106,7 +134,11 @@ class Scheduler:
             budget -= num + num_draft
         if propose is not None and scheduled:
             propose(scheduled)
-            budget = self.cfg.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
+        return scheduled
+
+    def _admit(self, budget: int) -> list[ScheduledSeq]:
+        """Waiting sequences in arrival order, while the budget, the seats and the free blocks last."""
+        scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.blocks.match_prefix(seq.token_ids)

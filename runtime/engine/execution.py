@@ -1,0 +1,74 @@
+"""Where a step's target forward and verification run, and when the engine reads their result.
+
+The engine *launches* a prepared step and gets back a ``Pending``; calling it reads the step's
+verdicts. Between the two the engine may prepare the next step (overlap scheduling, see
+``LLMEngine``). ``LocalExecution`` runs both in this process — under tensor parallelism rank 0
+drives the other ranks through its step channel; with overlap on it runs them in one background
+thread (torch releases the GIL inside its ops, and on CUDA the kernels run asynchronously anyway),
+so the host work of the next step happens while this one computes. ``PipelineExecution``
+(``parallel/pipeline.py``) hands the step to the pipeline stages and reads the last stage's verdicts.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
+from specdecode.runtime.engine.sampler import SamplerRow
+from specdecode.runtime.engine.scheduler import ScheduledSeq
+from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.engine.verifier import Verdict, Verifier
+
+
+@dataclass
+class StepResult:
+    verdicts: list[Verdict]  # one per deciding item of the step, in order
+    hidden: torch.Tensor | None  # [T, hidden] pre-norm, for the proposer; None where the proposer runs elsewhere
+
+
+Pending = Callable[[], StepResult]
+
+
+class Execution:
+    """What the engine asks of whoever runs its steps."""
+
+    # KV slots past a deciding sequence's step the proposer writes before the next step is scheduled
+    # (MTP heads on a pipeline's last stage draft right after verifying); the engine reserves them if free
+    draft_slots_ahead: int = 0
+
+    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+        raise NotImplementedError
+
+    def preempted(self, seq: Sequence) -> None:
+        """``seq`` lost its KV slots."""
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` ended or was aborted: it never appears in a step again."""
+
+    def close(self) -> None:
+        """Stop any thread this execution started."""
+
+
+class LocalExecution(Execution):
+    def __init__(self, runner: ModelRunner, verifier: Verifier, overlap: bool):
+        self.runner = runner
+        self.verifier = verifier
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="specdecode-step") if overlap else None
+
+    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+        if self._thread is None:
+            result = self._run(step, rows)
+            return lambda: result
+        return self._thread.submit(self._run, step, rows).result
+
+    @torch.inference_mode()
+    def _run(self, step: PreparedStep, rows: list[SamplerRow]) -> StepResult:
+        out = self.runner.run(step)
+        return StepResult(self.verifier(out.logits, rows) if rows else [], out.hidden)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
