@@ -58,7 +58,7 @@ def mtp_pipeline_gate_refusal(method: str, pipeline_parallel_size: int, gates: I
     return None
 
 
-MTP_PIPELINE_WARNING = ("method 'mtp' with pipeline parallelism is EXPERIMENTAL (gate 'mtp-pipeline-parallel'): the "
+MTP_PIPELINE_WARNING = (f"method 'mtp' with pipeline parallelism is EXPERIMENTAL (gate '{MTP_PIPELINE_GATE}'): the "
                         "heads run on the last stage, which sends their drafts to the scheduler with each step's "
                         "verdicts")
 
@@ -228,6 +228,10 @@ class ParallelConfig(Frozen):
     collective_timeout_s: float = Field(
         300.0, gt=0, description="a collective waiting longer for a peer fails, and the group stops (workers wait for "
         "the next step without limit while rank 0 lives)"
+    )
+    trace_dir: Path | None = Field(
+        None, description="pipeline stages: every rank writes what it holds and, per step, the positions and KV "
+        "slots it ran (rank 0 also the items and verdicts) to rank<N>.jsonl here; for debugging"
     )
 
     @model_validator(mode="after")

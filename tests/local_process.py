@@ -1,6 +1,9 @@
-"""Helpers for tests that start real servers on this machine: a free port, waiting for /ready."""
+"""Helpers for tests that start real servers and process groups on this machine: a free port, waiting
+for /ready, running a process tree under a hard deadline, finding the workers it spawned."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -28,3 +31,51 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120
             pass
         time.sleep(0.1)
     raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def run_group(argv: list[str], deadline_s: float, cwd: Path) -> subprocess.CompletedProcess:
+    """Run a process that spawns ranks; past the deadline, kill its whole process group."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        out, err = proc.communicate(timeout=deadline_s)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait(timeout=10)
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")

@@ -23,6 +23,7 @@ class PipelineStage:
 
     rank: int = 0
     size: int = 1
+    embedding_on_last: bool = False  # the last stage keeps a copy of the embedding (MTP heads embed their inputs)
 
     @property
     def is_first(self) -> bool:
@@ -45,7 +46,7 @@ class PipelineStage:
         return range(start, start + base + (self.rank < extra))
 
     def holds_embedding(self, cfg: ModelConfig) -> bool:
-        return self.is_first or (self.is_last and cfg.tie_word_embeddings)
+        return self.is_first or (self.is_last and (cfg.tie_word_embeddings or self.embedding_on_last))
 
     def local_name(self, hf_name: str, cfg: ModelConfig) -> str | None:
         """``hf_name`` as this stage's model names it (layer indices counted from the stage's

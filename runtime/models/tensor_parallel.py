@@ -55,6 +55,15 @@ class TensorParallel:
         return tensor
 
 
+_TENSOR_GROUP: dist.ProcessGroup | None = None  # None = the default group (no pipeline stages)
+
+
+def set_tensor_group(group: dist.ProcessGroup | None) -> None:
+    """The group this process's row-parallel layers all-reduce over: its stage's tensor-parallel ranks."""
+    global _TENSOR_GROUP
+    _TENSOR_GROUP = group
+
+
 class RowParallelLinear(Linear):
     """A bias-free linear over this rank's input columns, summed over the group."""
 
@@ -65,5 +74,5 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
         out = linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=_TENSOR_GROUP)
         return out

@@ -1,22 +1,28 @@
-"""Rendezvous and process groups of one tensor-parallel group.
+"""Rendezvous and process groups of one parallel group (``pipeline`` stages × ``tensor`` ranks).
 
 Rank 0 hosts the rendezvous ``TCPStore``: in one pod on a port the operating system picks as the
 store binds it (no bind-then-release race, no clash with another listener), across pods on
-MASTER_PORT. Every rank loads its shard first, then announces itself in the store and waits for
-all the others (``rendezvous_timeout_s``: loading takes a while, and pods start at different
-times); only then are the groups created, so their collectives can have a short timeout:
+MASTER_PORT (taken → the bind fails at once, naming the port). Every rank loads its part first,
+then announces itself in the store and waits for all the others (``rendezvous_timeout_s``:
+loading takes a while, and pods start at different times); only then are the groups created, so
+their collectives can have a short timeout (``collective_timeout_s``):
 
-- the default group (NCCL on CUDA, gloo on the CPU): the step's tensors and the all-reduces;
+- the default group over every rank (NCCL on CUDA, gloo on the CPU): each step's inputs from rank
+  0, the hidden states a stage hands the next, the verdicts back to rank 0;
+- each stage's *tensor* group (its ``tensor`` ranks): the row-parallel all-reduces;
 - a gloo *control* group for each step's small header. Rank 0 waits on it at most
   ``collective_timeout_s``, so a hung worker fails the step instead of hanging it; the other
   ranks wait there for the next step as long as rank 0 lives (an idle server is normal; a closed
-  connection ends the wait at once).
+  connection ends the wait at once);
+- with pipeline stages, a gloo *link* group of rank 0 and the verifier rank (the last stage's
+  first): what the verifier needs to know of the step's sequences, and the verdicts' logprobs.
 """
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -24,6 +30,7 @@ import torch.distributed as dist
 
 from specdecode.runtime.config import Device, ParallelConfig
 from specdecode.runtime.device import resolve_device
+from specdecode.runtime.models.tensor_parallel import set_tensor_group
 
 IDLE_WAIT = timedelta(days=365)  # how long a worker waits for rank 0's next step
 _POLL_S = 0.05
@@ -45,14 +52,22 @@ def bind_device(device: Device, local_rank: int, ranks_per_node: int) -> torch.d
 def host_store(cfg: ParallelConfig) -> dist.TCPStore:
     """Rank 0's rendezvous store: on MASTER_PORT across pods, else on a port the OS picks (``.port``)."""
     port = cfg.master_port if cfg.num_nodes > 1 else 0
-    return dist.TCPStore("127.0.0.1", port, cfg.tensor_parallel_size, is_master=True,
+    return dist.TCPStore("127.0.0.1", port, cfg.world_size, is_master=True,
                          timeout=timedelta(seconds=cfg.rendezvous_timeout_s), wait_for_workers=False)
 
 
 def connect_store(cfg: ParallelConfig, addr: str, port: int) -> dist.TCPStore:
     """A client of rank 0's store (retries until rank 0 listens, up to the rendezvous timeout)."""
-    return dist.TCPStore(addr, port, cfg.tensor_parallel_size, is_master=False,
+    return dist.TCPStore(addr, port, cfg.world_size, is_master=False,
                          timeout=timedelta(seconds=cfg.rendezvous_timeout_s))
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's groups beside the default one (see the module docstring)."""
+
+    control: dist.ProcessGroup
+    link: dist.ProcessGroup | None  # rank 0 ↔ verifier rank; None without pipeline stages or off that pair
 
 
 def join_group(
@@ -61,28 +76,40 @@ def join_group(
     rank: int,
     device: torch.device,
     peers_alive: Callable[[], bool] = lambda: True,
-) -> dist.ProcessGroup:
-    """Wait until every rank has loaded, create the default group; return the control group."""
+) -> Groups:
+    """Wait until every rank has loaded, create the default group and the others (every rank
+    creates every group, in the same order, as torch requires)."""
     _wait_for_every_rank(store, cfg, rank, peers_alive)
     backend = "nccl" if device.type == "cuda" else "gloo"
     collective = timedelta(seconds=cfg.collective_timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore("tp", store), rank=rank,
-                            world_size=cfg.tensor_parallel_size, timeout=collective)
-    return dist.new_group(backend="gloo", timeout=collective if rank == 0 else IDLE_WAIT)
+    dist.init_process_group(backend, store=dist.PrefixStore("pp-tp", store), rank=rank,
+                            world_size=cfg.world_size, timeout=collective)
+    if cfg.pipeline_parallel_size > 1:
+        tp = cfg.tensor_parallel_size
+        for stage in range(cfg.pipeline_parallel_size):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)), backend=backend, timeout=collective)
+            if cfg.stage_of(rank) == stage:
+                set_tensor_group(group)
+    control = dist.new_group(backend="gloo", timeout=collective if rank == 0 else IDLE_WAIT)
+    link = None
+    if cfg.pipeline_parallel_size > 1:
+        pair = dist.new_group([0, cfg.verifier_rank], backend="gloo", timeout=collective)
+        link = pair if rank in (0, cfg.verifier_rank) else None
+    return Groups(control, link)
 
 
 def _wait_for_every_rank(
     store: dist.TCPStore, cfg: ParallelConfig, rank: int, peers_alive: Callable[[], bool]
 ) -> None:
     store.set(_loaded_key(rank), "1")
-    keys = [_loaded_key(r) for r in range(cfg.tensor_parallel_size)]
+    keys = [_loaded_key(r) for r in range(cfg.world_size)]
     deadline = time.monotonic() + cfg.rendezvous_timeout_s
     while not store.check(keys):
         if not peers_alive():
-            raise RuntimeError("a tensor-parallel worker process of this pod exited before the group formed")
+            raise RuntimeError("a worker process of this pod exited before the group formed")
         if time.monotonic() > deadline:
-            missing = [r for r in range(cfg.tensor_parallel_size) if not store.check([_loaded_key(r)])]
-            raise TimeoutError(f"tensor-parallel ranks {missing} did not load their shard within "
+            missing = [r for r in range(cfg.world_size) if not store.check([_loaded_key(r)])]
+            raise TimeoutError(f"ranks {missing} did not load their part of the model within "
                                f"{cfg.rendezvous_timeout_s:.0f}s")
         time.sleep(_POLL_S)
 

@@ -1,9 +1,11 @@
-"""Global rank 0 of a tensor-parallel group: the engine, plus what keeps the other ranks in step.
+"""Global rank 0 of a parallel group: the engine, plus what keeps the other ranks in step.
 
 ``start_leader_engine`` hosts the rendezvous store, spawns this pod's other ranks, loads rank
-0's shard while they load theirs, forms the group and returns an ``LLMEngine`` whose runner
-sends every step through the ``StepChannel``. The scheduler, the proposer (a draft model stays
-whole, on rank 0) and the verifier run here only, unchanged.
+0's part while they load theirs, forms the group and returns an ``LLMEngine`` that sends every
+step through the ``StepChannel``. Tensor parallelism only: the scheduler, the proposer (a draft
+model stays whole, on rank 0) and the verifier run here. With pipeline stages rank 0 holds the
+first stage and the engine's steps go through ``PipelineExecution``: the last stage verifies,
+and the draft model or MTP heads sit there (``pipeline``).
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import logging
 
 import torch.distributed as dist
 
-from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.config import MTP_PIPELINE_WARNING, EngineConfig, SpeculativeMethod
 from specdecode.runtime.engine.llm_engine import LLMEngine
-from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.engine.model_runner import ModelRunner
+from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.parallel.group import bind_device, host_store, join_group
 from specdecode.runtime.parallel.step_channel import StepChannel
-from specdecode.runtime.parallel.workers import LocalWorkers
+from specdecode.runtime.parallel.pipeline import PipelineExecution, RelayedDrafts, proposes_on_verifier
+from specdecode.runtime.parallel.workers import LocalWorkers, rank_stage
 
 log = logging.getLogger(__name__)
 WORKER_EXIT_GRACE_S = 30.0
@@ -56,13 +60,32 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
     store = host_store(par)
     leader = Leader(store, LocalWorkers(cfg, par.local_ranks[1:], "127.0.0.1", store.port))
     try:
-        loaded = load_model(cfg.load, TensorParallel(0, par.tensor_parallel_size))
-        control = join_group(store, par, 0, device, peers_alive=lambda: leader.workers.alive)
-        leader.channel = StepChannel(control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
-        engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
-                           leader.channel)
+        loaded = load_model(cfg.load, TensorParallel(0, par.tensor_parallel_size), rank_stage(cfg, 0))
+        groups = join_group(store, par, 0, device, peers_alive=lambda: leader.workers.alive)
+        leader.channel = StepChannel(groups.control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+        if par.pipeline_parallel_size == 1:
+            engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
+                               leader.channel)
+        else:
+            engine = _pipeline_engine(cfg, loaded, leader.channel, groups.link)
     except BaseException:
         leader.shutdown()
         raise
-    log.info("tensor-parallel group of %d ranks formed", par.tensor_parallel_size)
+    log.info("parallel group formed: %d ranks, %d stages × %d", par.world_size, par.pipeline_parallel_size,
+             par.tensor_parallel_size)
     return engine, loaded.name, leader
+
+
+def _pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, channel: StepChannel, link) -> LLMEngine:
+    spec = cfg.speculative
+    if spec.method is SpeculativeMethod.MTP:
+        log.warning(MTP_PIPELINE_WARNING)
+    relayed = RelayedDrafts() if proposes_on_verifier(spec.method) else None
+
+    def execution(runner: ModelRunner) -> PipelineExecution:
+        k = spec.num_speculative_tokens if spec.enabled else 0
+        slots_ahead = k if spec.method is SpeculativeMethod.MTP else 0  # the heads write K/V as they draft
+        return PipelineExecution(runner, channel, cfg.parallel, link, k, relayed, slots_ahead)
+
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
+                     proposer=relayed, execution=execution)

@@ -1,7 +1,9 @@
-"""A pod's tensor-parallel worker processes: every rank but global rank 0.
+"""A pod's worker processes: every rank but global rank 0.
 
-Each is a spawned process (``worker_main``) that binds its device, loads its shard, joins the
-group and then runs every step rank 0 sends, until rank 0 says stop or its connection closes.
+Each is a spawned process (``worker_main``) that binds its device, loads its part of the model
+(its stage's layers, its tensor-parallel shard of them), joins the group and then runs every step
+rank 0 sends — with pipeline stages, on the hidden states the previous stage sends, and on the
+verifier rank verifying too — until rank 0 says stop or its connection closes.
 ``LocalWorkers`` starts and supervises them: they are daemonic (they never outlive a normal
 exit of the process that started them), ignore Ctrl-C (which reaches the whole process group;
 rank 0 stops them), and report once they have joined the group.
@@ -20,11 +22,13 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.config import EngineConfig, SpeculativeMethod
 from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
 from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.parallel.group import bind_device, connect_store, join_group
+from specdecode.runtime.parallel.pipeline import PipelineTail, StageWorker
 from specdecode.runtime.parallel.step_channel import StepChannel
 
 log = logging.getLogger(__name__)
@@ -42,25 +46,44 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec, joined: Connection) -> None:
-    """A worker process: load this rank's shard, join the group, run steps until told to stop."""
+    """A worker process: load this rank's part of the model, join the group, run steps until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(name)s: %(message)s")
     cfg, par = spec.engine, spec.engine.parallel
+    stage = rank_stage(cfg, spec.rank)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {spec.rank}, stage {stage.rank}] "
+                                                   "%(name)s: %(message)s")
     device = bind_device(cfg.load.device, spec.local_rank, par.ranks_per_node)
     store = connect_store(par, spec.store_addr, spec.store_port)
-    loaded = load_model(cfg.load, TensorParallel(spec.rank, par.tensor_parallel_size))
+    loaded = load_model(cfg.load, TensorParallel(par.tp_rank_of(spec.rank), par.tensor_parallel_size), stage)
     num_blocks = num_kv_blocks(cfg.cache, loaded.model, loaded.dtype)
     runner = ModelRunner(loaded.model, num_blocks, cfg.cache.block_size, loaded.device, loaded.dtype)
-    channel = StepChannel(join_group(store, par, spec.rank, device), loaded.device, cfg.cache.block_size,
-                          cfg.scheduler.max_num_seqs)
+    groups = join_group(store, par, spec.rank, device)
+    channel = StepChannel(groups.control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+    run = runner.forward
+    if par.pipeline_parallel_size > 1:
+        tail = None
+        if spec.rank == par.verifier_rank:
+            max_model_len = min(cfg.scheduler.max_model_len or loaded.max_model_len,
+                                loaded.config.max_position_embeddings)
+            tail = PipelineTail(loaded.model, loaded.tokenizer, cfg, groups.link, loaded.device, loaded.dtype,
+                                max_model_len, num_blocks)
+        run = StageWorker(runner, par, spec.rank, tail).run
     joined.send(spec.rank)
-    log.info("joined the tensor-parallel group (%d ranks); %d KV blocks", par.tensor_parallel_size, num_blocks)
+    log.info("joined the group (%d ranks: %d stages × %d); layers %s; %d KV blocks", par.world_size,
+             par.pipeline_parallel_size, par.tensor_parallel_size, list(stage.layers(loaded.config.num_layers)),
+             num_blocks)
     with torch.inference_mode():
         while (step := channel.receive()) is not None:
-            runner.forward(*step)
+            run(*step)
     dist.destroy_process_group()
     log.info("stopped")
+
+
+def rank_stage(cfg: EngineConfig, rank: int) -> PipelineStage:
+    """The pipeline stage a global rank runs (the last keeps an embedding copy for MTP heads)."""
+    par = cfg.parallel
+    return PipelineStage(par.stage_of(rank), par.pipeline_parallel_size,
+                         embedding_on_last=cfg.speculative.method is SpeculativeMethod.MTP)
 
 
 class LocalWorkers:

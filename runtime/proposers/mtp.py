@@ -89,7 +89,10 @@ class MtpProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in seqs]
-        rows = [i for i, s in enumerate(seqs) if self._can_draft(s)]
+        # draft j is written at slot n − 1 + j: no further than the block table reaches (the scheduler
+        # reserves that; a pipeline's last stage drafts a step ahead, into the slots rank 0 could spare)
+        max_drafts = [min(k, len(s.block_table) * self.block_size - len(s) + 1) for s, k in zip(seqs, max_drafts)]
+        rows = [i for i, s in enumerate(seqs) if self._can_draft(s) and max_drafts[i] > 0]
         if not rows:
             return Proposal(drafts)
         k_max = max(max_drafts[i] for i in rows)

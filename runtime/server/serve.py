@@ -5,6 +5,11 @@ balancer stops sending traffic), new generation requests get 503, requests in fl
 end; once none is left — or ``drain_timeout_s`` has passed — uvicorn shuts down and the process
 exits 0. A second signal exits at once.
 
+If the engine dies — a rank of its parallel group is gone or a step timed out (``--collective-timeout``)
+— ``/health`` and ``/ready`` answer 503 at once and, ``DEAD_EXIT_S`` later, the process exits 1
+(its workers with it), so the kubelet restarts the pod rather than keep a server that cannot
+generate.
+
 A model, draft model or MTP heads that cannot be served (``STARTUP_REFUSALS`` while the engine is
 built) is refused in one line, without a traceback, exit code 1; the line also goes to the
 container's termination message file, where the operator reads it into the
@@ -17,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -30,6 +36,8 @@ log = logging.getLogger(__name__)
 # What building the engine raises for a model, draft model or MTP heads it cannot serve.
 STARTUP_REFUSALS = (ValueError, FileNotFoundError, KeyError)
 EXIT_REFUSED = 1
+EXIT_ENGINE_DIED = 1
+DEAD_EXIT_S = 5.0  # /health answers 503 this long before the process exits
 
 
 def refuse(line: str, termination_message_path: Path | None) -> None:
@@ -53,10 +61,13 @@ def refusal_line(exc: Exception) -> str:
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose exit signal starts a drain instead of closing the listener."""
 
-    def __init__(self, config: uvicorn.Config, state: ServingState, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, state: ServingState, drain_timeout_s: float,
+                 engine_dead: Callable[[], bool]):
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
+        self.engine_dead = engine_dead
+        self.died_at: float | None = None
         self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -73,6 +84,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.drain_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
+        if self.died_at is None and self.engine_dead():
+            log.error("the engine died (a rank of its group is gone, or a step timed out): exiting in %.0fs", DEAD_EXIT_S)
+            self.died_at = time.monotonic()
+            self.state.draining = True
+        if self.died_at is not None and time.monotonic() - self.died_at > DEAD_EXIT_S:
+            self.should_exit = True
         if self._drain_deadline is not None and not self.should_exit:
             if self.state.inflight == 0:
                 log.info("drained: shutting down")
@@ -104,7 +121,7 @@ def run_server(cfg: ServerConfig, log_level: str = "info",
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                             timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, app.state.serving, cfg.drain_timeout_s)
+    server = DrainingServer(config, app.state.serving, cfg.drain_timeout_s, lambda: engine.dead)
     warm_up = threading.Thread(target=engine.start, name="specdecode-warmup", daemon=True)
     warm_up.start()
     try:
@@ -112,4 +129,4 @@ def run_server(cfg: ServerConfig, log_level: str = "info",
     finally:
         warm_up.join()
         engine.shutdown()
-    return 0
+    return EXIT_ENGINE_DIED if server.died_at is not None else 0

@@ -1,0 +1,426 @@
+"""Pipeline parallelism: stages hand hidden states on; the last stage verifies and answers rank 0.
+
+Placement. Global rank 0 (first stage) schedules, proposes with n-gram or suffix, builds each
+step's inputs and emits outputs; the *verifier rank* (the last stage's first rank) applies the
+final norm and the LM head, samples, verifies, and holds the draft model or the MTP heads. Every
+other rank only runs its stage's layers.
+
+A step (``PipelineExecution.launch``):
+
+1. rank 0 broadcasts the step's inputs to every rank (``StepChannel``: token ids, positions, KV
+   slots, attention groups — the same for every stage, so every stage writes the same slots);
+2. rank 0 sends the verifier a ``TailPlan`` on the link group: what it must know of the step's
+   sequences to sample them (new sequences' prompts and sampling parameters once, then per item
+   its start, token count, drafts and block table; sequences gone or preempted since);
+3. stage s runs its layers on the hidden states stage s − 1 sent (rank (s, t) → (s+1, t)) and
+   sends its own on; the first stage starts from the token ids;
+4. the verifier verifies and sends rank 0 one int32 tensor (``VerdictMessage``): per deciding
+   sequence the emitted tokens ``[R, W]`` (W = most drafts + 1 ≤ K + 1, padded with −1), the
+   accepted and emitted counts ``[2, R]``, and — with the draft model or MTP on the verifier —
+   the next step's drafts ``[R, K]`` (−1 padded). Logprobs follow on the link group only when a
+   request asked for them.
+
+Rank 0 advances every sequence's computed-token count only from that message (``LLMEngine._accept``),
+and the positions and slots of the next step are derived from it, then broadcast: no stage keeps
+a count of its own, so none can drift after a rejection. The verifier keeps a mirror of each
+sequence (tokens, count, block table) updated from the plans and its own verdicts; its proposer
+runs on those.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeMethod
+from specdecode.runtime.engine.execution import Execution, Pending, StepResult
+from specdecode.runtime.engine.llm_engine import draft_cap
+from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
+from specdecode.runtime.engine.sampler import SamplerRow
+from specdecode.runtime.engine.scheduler import ScheduledSeq
+from specdecode.runtime.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from specdecode.runtime.engine.verifier import Verdict, Verifier
+from specdecode.runtime.models.attention import AttentionBatch
+from specdecode.runtime.models.decoder import DecoderLM
+from specdecode.runtime.parallel.step_channel import StepChannel, TensorParallelBroken
+from specdecode.runtime.proposers import Proposal, Proposer, build_proposer
+
+log = logging.getLogger(__name__)
+PAD = -1
+
+
+class StepTrace:
+    """``ParallelConfig.trace_dir``: one JSON line per record in ``rank<N>.jsonl`` (nothing when off)."""
+
+    def __init__(self, par: ParallelConfig, rank: int):
+        self.path = None if par.trace_dir is None else Path(par.trace_dir) / f"rank{rank}.jsonl"
+        self.rank, self.stage = rank, par.stage_of(rank)
+        self.step = 0
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def holds(self, runner: ModelRunner) -> None:
+        """What this rank holds: its parameters and KV pools."""
+        self._write(kind="holds", params=[name for name, _ in runner.model.named_parameters()],
+                    kv_layers=len(runner.kv_pools), layers=list(runner.model.stage.layers(runner.model.config.num_layers)))
+
+    def ran(self, batch: AttentionBatch, **extra) -> None:
+        """A step this rank ran: the positions and KV slots of its rows."""
+        self.step += 1
+        if self.path is not None:
+            self._write(kind="step", step=self.step, positions=batch.positions.tolist(),
+                        slots=batch.slot_mapping.tolist(), **extra)
+
+    def _write(self, **record) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"rank": self.rank, "stage": self.stage, **record}) + "\n")
+
+
+def proposes_on_verifier(method: SpeculativeMethod) -> bool:
+    """Draft models and MTP heads sit on the last stage (they read its hidden states or need its
+    LM head); n-gram and suffix run where the scheduler runs."""
+    return method in (SpeculativeMethod.DRAFT, SpeculativeMethod.MTP)
+
+
+# -- what rank 0 tells the verifier -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeqIntro:
+    """A sequence the verifier has not seen: sent once."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    """One scheduled item, as ``ScheduledSeq`` has it."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    draft_token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass
+class TailPlan:
+    new: list[SeqIntro] = field(default_factory=list)
+    gone: list[int] = field(default_factory=list)  # finished or aborted since the last step
+    preempted: list[int] = field(default_factory=list)
+    items: list[ItemPlan] = field(default_factory=list)
+
+
+# -- what the verifier answers ----------------------------------------------------------------
+
+
+@dataclass
+class VerdictMessage:
+    """The verifier's answer as one int32 tensor: tokens [R, W], counts [2, R], drafts [R, K]."""
+
+    tokens: list[list[int]]  # per deciding item: the emitted tokens
+    num_accepted: list[int]
+    drafts: list[list[int]]  # per deciding item: the next step's drafts ([] each when K = 0)
+
+    @staticmethod
+    def numel(num_rows: int, width: int, num_drafts: int) -> int:
+        return num_rows * (width + 2 + num_drafts)
+
+    def encode(self, width: int, num_drafts: int, device: torch.device) -> torch.Tensor:
+        r = len(self.tokens)
+        out = torch.full((r, width + 2 + num_drafts), PAD, dtype=torch.int32)
+        for i, (tokens, accepted, drafts) in enumerate(zip(self.tokens, self.num_accepted, self.drafts)):
+            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+            out[i, width] = accepted
+            out[i, width + 1] = len(tokens)
+            if drafts:
+                out[i, width + 2 : width + 2 + len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+        # columns regrouped so the wire layout is tokens [R, W], then counts [2, R], then drafts [R, K]
+        flat = torch.cat([out[:, :width].reshape(-1), out[:, width : width + 2].t().reshape(-1),
+                          out[:, width + 2 :].reshape(-1)])
+        return flat.to(device)
+
+    @classmethod
+    def decode(cls, flat: torch.Tensor, num_rows: int, width: int, num_drafts: int) -> VerdictMessage:
+        flat = flat.cpu()
+        tokens, counts, drafts = flat.split([num_rows * width, 2 * num_rows, num_rows * num_drafts])
+        tokens, counts = tokens.view(num_rows, width).tolist(), counts.view(2, num_rows).tolist()
+        draft_rows = drafts.view(num_rows, num_drafts).tolist()
+        return cls([row[:n] for row, n in zip(tokens, counts[1])], counts[0],
+                   [[t for t in row if t != PAD] for row in draft_rows])
+
+
+# -- rank 0 -------------------------------------------------------------------------------------
+
+
+class RelayedDrafts(Proposer):
+    """Rank 0's face of a proposer on the verifier: the drafts that came with the last verdicts,
+    valid for the sequence length they were made for."""
+
+    def __init__(self) -> None:
+        self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id → (len(seq) they follow, drafts)
+
+    def keep(self, seq: Sequence, drafts: list[int]) -> None:
+        self.drafts[seq.seq_id] = (len(seq), drafts)
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+        return Proposal([self._ready(seq)[:k] for seq, k in zip(seqs, max_drafts)])
+
+    def catch_up(self, seq: Sequence) -> int:
+        return 0 if self._ready(seq) else 1  # no drafts for its length: it would have to wait a step
+
+    def _ready(self, seq: Sequence) -> list[int]:
+        length, drafts = self.drafts.get(seq.seq_id, (-1, []))
+        return drafts if length == len(seq) else []
+
+    def preempted(self, seq: Sequence) -> None:
+        self.drafts.pop(seq.seq_id, None)
+
+    def finished(self, seq: Sequence) -> None:
+        self.drafts.pop(seq.seq_id, None)
+
+
+@dataclass
+class PipelineStats:
+    """What the pipeline cost so far (rank 0's view)."""
+
+    steps: int = 0
+    verdict_bytes: int = 0  # the verdict messages' payload
+    verdict_budget_bytes: int = 0  # Σ R·(K+1) tokens + 2R counts (+ R·K drafts), 4 bytes each
+    first_stage_s: float = 0.0  # rank 0's own stage forward (and sending its inputs)
+    waiting_s: float = 0.0  # from handing the hidden states on to the verdicts' arrival
+
+
+class PipelineExecution(Execution):
+    """Rank 0's side of a pipeline: launch = inputs to every stage, the plan to the verifier, this
+    stage's forward, the hidden states on; the pending result = the verifier's message."""
+
+    def __init__(self, runner: ModelRunner, channel: StepChannel, par: ParallelConfig, link: dist.ProcessGroup,
+                 num_speculative_tokens: int, relayed: RelayedDrafts | None, draft_slots_ahead: int = 0):
+        self.runner = runner
+        self.draft_slots_ahead = draft_slots_ahead
+        self.channel = channel
+        self.par = par
+        self.link = link
+        self.k = num_speculative_tokens
+        self.relayed = relayed
+        self.stats = PipelineStats()
+        self.trace = StepTrace(par, 0)
+        self.trace.holds(runner)
+        self._known: set[int] = set()  # sequences the verifier has been introduced to
+        self._gone: list[int] = []
+        self._preempted: list[int] = []
+
+    def preempted(self, seq: Sequence) -> None:
+        if seq.seq_id in self._known:
+            self._preempted.append(seq.seq_id)
+
+    def finished(self, seq: Sequence) -> None:
+        if seq.seq_id in self._known:
+            self._known.discard(seq.seq_id)
+            self._gone.append(seq.seq_id)
+
+    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+        plan = self._plan(scheduled)
+        deciding = [item for item in scheduled if item.samples]
+        width = max((item.num_draft for item in deciding), default=0) + 1
+        num_drafts = self.k if self.relayed is not None else 0
+        wants_logprobs = any(row.params.logprobs is not None for row in rows)
+        started = time.perf_counter()
+        self.channel.run_step(step.input_ids, step.batch, lambda ids, batch: self._first_stage(plan, ids, batch))
+        handed_on = time.perf_counter()
+        self.stats.first_stage_s += handed_on - started
+
+        def verdicts() -> StepResult:
+            numel = VerdictMessage.numel(len(deciding), width, num_drafts)
+            try:
+                flat = torch.empty(numel, dtype=torch.int32, device=self.runner.device)
+                dist.recv(flat, self.par.verifier_rank)
+                logprobs = self._receive_logprobs() if wants_logprobs else None
+            except Exception as exc:
+                self.channel.broken = True
+                raise TensorParallelBroken(f"pipeline step failed waiting for the last stage: {exc}") from exc
+            message = VerdictMessage.decode(flat, len(deciding), width, num_drafts)
+            self._count(numel, len(deciding), handed_on)
+            self.trace.ran(step.batch, items=[[i.seq_id, i.start, i.num_tokens, len(i.draft_token_ids)] for i in plan.items],
+                           verdicts=[[item.seq.seq_id, a, len(t)] for item, a, t in
+                                     zip(deciding, message.num_accepted, message.tokens)])
+            return StepResult(self._verdicts(deciding, message, logprobs), None)
+
+        return verdicts
+
+    def _first_stage(self, plan: TailPlan, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        dist.broadcast_object_list([plan], src=0, group=self.link)
+        hidden = self.runner.forward(input_ids, batch)
+        dist.send(hidden.contiguous(), self.par.tensor_parallel_size)
+        return hidden
+
+    def _plan(self, scheduled: list[ScheduledSeq]) -> TailPlan:
+        plan = TailPlan(gone=self._gone, preempted=self._preempted)
+        self._gone, self._preempted = [], []
+        for item in scheduled:
+            seq = item.seq
+            if seq.seq_id not in self._known:
+                self._known.add(seq.seq_id)
+                plan.new.append(SeqIntro(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed))
+            plan.items.append(ItemPlan(seq.seq_id, item.start, item.num_tokens, list(item.draft_token_ids),
+                                       list(seq.block_table)))
+        return plan
+
+    def _receive_logprobs(self) -> list:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=self.par.verifier_rank, group=self.link)
+        return box[0]
+
+    def _verdicts(self, deciding: list[ScheduledSeq], message: VerdictMessage, logprobs: list | None) -> list[Verdict]:
+        out = []
+        for i, item in enumerate(deciding):
+            out.append(Verdict(message.tokens[i], message.num_accepted[i], logprobs[i] if logprobs else []))
+            if self.relayed is not None:
+                # the drafts follow the sequence once all its emitted tokens are appended
+                self.relayed.drafts[item.seq.seq_id] = (len(item.seq) + len(message.tokens[i]), message.drafts[i])
+        return out
+
+    def _count(self, numel: int, num_rows: int, handed_on: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.verdict_bytes += 4 * numel
+        s.verdict_budget_bytes += 4 * num_rows * (self.k + 1 + 2 + (self.k if self.relayed is not None else 0))
+        s.waiting_s += time.perf_counter() - handed_on
+
+
+# -- every other rank ---------------------------------------------------------------------------
+
+
+class StageWorker:
+    """A rank of any stage but rank 0: runs its layers on what the previous stage sent, sends the
+    result on; on the verifier rank, ``tail`` verifies."""
+
+    def __init__(self, runner: ModelRunner, par: ParallelConfig, rank: int, tail: PipelineTail | None):
+        self.runner = runner
+        self.stage = runner.model.stage
+        self.rank = rank
+        self.tp = par.tensor_parallel_size
+        self.tail = tail
+        self.trace = StepTrace(par, rank)
+        self.trace.holds(runner)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, batch: AttentionBatch) -> None:
+        plan = self.tail.receive_plan() if self.tail is not None else None
+        if self.stage.is_first:
+            inputs = input_ids
+        else:
+            inputs = torch.empty(input_ids.numel(), self.runner.model.config.hidden_size, dtype=self.runner.dtype,
+                                 device=self.runner.device)
+            dist.recv(inputs, self.rank - self.tp)
+        hidden = self.runner.forward(inputs, batch)
+        if not self.stage.is_last:
+            dist.send(hidden.contiguous(), self.rank + self.tp)
+        elif self.tail is not None:
+            self.tail.verify(plan, hidden)
+        self.trace.ran(batch)
+
+
+class PipelineTail:
+    """The verifier rank's sampling, verification and proposer, over mirrors of rank 0's sequences."""
+
+    def __init__(self, model: DecoderLM, tokenizer, cfg: EngineConfig, link: dist.ProcessGroup, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, num_blocks: int):
+        spec = cfg.speculative
+        self.model = model
+        self.link = link
+        self.device = device
+        self.max_model_len = max_model_len
+        self.k = spec.num_speculative_tokens
+        self.verifier = Verifier(spec.verify, spec.verify_top_p)
+        self.proposer = None
+        if proposes_on_verifier(spec.method):
+            self.proposer = build_proposer(
+                spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
+                weight_cache_dir=cfg.load.weight_cache_dir, block_size=cfg.cache.block_size, num_blocks=num_blocks,
+                max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model)
+        self.seqs: dict[int, Sequence] = {}
+        self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → the distributions its relayed drafts came from
+
+    def receive_plan(self) -> TailPlan:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=self.link)
+        return box[0]
+
+    def verify(self, plan: TailPlan, hidden: torch.Tensor) -> None:
+        scheduled = self._mirror(plan)
+        deciding = [item for item in scheduled if item.samples]
+        sample_rows, first = [], 0
+        for item in scheduled:
+            first += item.num_tokens
+            if item.samples:
+                sample_rows += range(first - item.num_draft - 1, first)
+        rows = [SamplerRow(s.seq.params, s.seq.seed, len(s.seq), s.seq.output_token_ids, s.draft_token_ids,
+                           s.draft_probs) for s in deciding]
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)])
+        verdicts = self.verifier(logits, rows) if rows else []
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
+        for item, verdict in zip(deciding, verdicts):
+            item.seq.token_ids += verdict.token_ids
+            item.seq.num_computed_tokens += verdict.num_accepted
+        drafts = self._next_drafts(scheduled, hidden, [item.seq for item in deciding])
+        message = VerdictMessage([v.token_ids for v in verdicts], [v.num_accepted for v in verdicts], drafts)
+        width = max((item.num_draft for item in deciding), default=0) + 1
+        dist.send(message.encode(width, self.k if self.proposer is not None else 0, self.device), 0)
+        if any(row.params.logprobs is not None for row in rows):
+            dist.broadcast_object_list([[v.logprobs for v in verdicts]], src=dist.get_rank(), group=self.link)
+
+    def _mirror(self, plan: TailPlan) -> list[ScheduledSeq]:
+        """Apply rank 0's plan to the mirrors; the step's items as ``ScheduledSeq`` over them."""
+        for intro in plan.new:
+            self.seqs[intro.seq_id] = Sequence(intro.seq_id, "", 0, list(intro.token_ids), intro.num_prompt_tokens,
+                                               intro.params, 0.0, intro.seed, status=SequenceStatus.RUNNING)
+        for seq_id in plan.gone:
+            seq = self.seqs.pop(seq_id)
+            self.draft_probs.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.finished(seq)
+        for seq_id in plan.preempted:
+            self.draft_probs.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.preempted(self.seqs[seq_id])
+        scheduled = []
+        for it in plan.items:
+            seq = self.seqs[it.seq_id]
+            seq.num_computed_tokens, seq.block_table = it.start, it.block_table
+            num_draft = len(it.draft_token_ids)
+            item = ScheduledSeq(seq, it.num_tokens, num_draft)
+            probs = self.draft_probs.pop(it.seq_id, None)
+            item.draft_token_ids = it.draft_token_ids
+            item.draft_probs = None if probs is None or not num_draft else probs[:num_draft]
+            scheduled.append(item)
+        return scheduled
+
+    def _next_drafts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, deciding: list[Sequence]) -> list[list[int]]:
+        """The proposer's drafts for the step after this one, for every sequence that decided."""
+        if self.proposer is None:
+            return [[] for _ in deciding]
+        self.proposer.observe(scheduled, hidden)
+        caps = [draft_cap(seq, self.k, self.max_model_len) for seq in deciding]
+        asked = [i for i, cap in enumerate(caps) if cap > 0]
+        drafts: list[list[int]] = [[] for _ in deciding]
+        if asked:
+            proposal = self.proposer.propose([deciding[i] for i in asked], [caps[i] for i in asked])
+            for j, i in enumerate(asked):
+                drafts[i] = proposal.token_ids[j]
+                if proposal.probs is not None:
+                    self.draft_probs[deciding[i].seq_id] = proposal.probs[j, : len(drafts[i])]
+        return drafts

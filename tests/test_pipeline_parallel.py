@@ -1,0 +1,401 @@
+"""Pipeline parallelism as real process groups (gloo), each under a hard deadline that kills its tree.
+
+- Greedy output of (TP, PP) ∈ {(1, 2), (2, 2)} equals TP = 1, PP = 1 (the in-process engine) for
+  every proposer — none (a per-request cap of 0), n-gram, suffix, a draft model, MTP heads with the
+  gate — with overlap on and off, on a batch of mixed lengths with chunked prefill, drafts rejected
+  and accepted. One spawned driver per layout runs the proposers' groups one after another.
+- Every stage holds only its layers' parameters and KV pools, and runs the positions and KV slots
+  rank 0 derived from the verdicts: after a rejection the next step's positions on every stage
+  start where the accepted tokens end (``--trace-steps``).
+- The verdict message stays within R·(K+1) tokens + 2R counts (+ R·K drafts).
+- Overlap by recorded event order; MTP × PP warns once with the gate; a killed rank brings every
+  rank down with a non-zero exit, rank 0's /health answering 503 first; a taken rendezvous port
+  fails at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import copy_hf_folder, random_hf_weights
+from local_process import descendants, free_port, is_worker, kill_group, run_group, running, wait_ready
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from specdecode.runtime.config import (
+    MTP_PIPELINE_WARNING,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.models.model_config import ModelConfig
+
+K = 3
+BUDGET = 24  # tokens per step: the longest prompt is prefilled in chunks
+TEXTS = ["a b a b a b a b", "Hello", "one two three one two three one two three one two three four five six seven"]
+MAX_TOKENS = [12, 7, 10]  # sequences finish at different steps while others run
+# Rank 0 in a subprocess: per speculative config, a group; in it, every prompt with speculation
+# capped to 0 (plain decoding) and with it on, overlap on and then off; prints JSON per config.
+DRIVER = textwrap.dedent("""
+    import json, sys
+    from specdecode.runtime.config import EngineConfig
+    from specdecode.runtime.engine.async_engine import AsyncEngine
+    from specdecode.runtime.engine.sequence import SamplingParams
+
+    def run(engine, prompts, max_tokens, overlap):
+        engine.overlap = overlap
+        engine.events.clear()
+        out, logprobs, finished, after_finish = {}, {}, set(), 0
+        for name, k, lp in (("plain", 0, None), ("spec", None, 2)):  # the speculating ones ask for logprobs
+            for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+                params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
+                                        logprobs=lp)
+                engine.add_request(f"{name}/{i}", prompt, params)
+                out[f"{name}/{i}"], logprobs[f"{name}/{i}"] = [], []
+        while engine.has_unfinished():
+            for o in engine.step():
+                after_finish += o.request_id in finished
+                out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
+                logprobs[o.request_id] += [(lp.token_id, len(lp.top)) for d in o.deltas for lp in d.logprobs]
+                if o.finished:
+                    finished.add(o.request_id)
+        names = ("plain", "spec")
+        logprobs_ok = all(logprobs[r] == [(t, 2) for t in out[r]] for r in out if r.startswith("spec"))
+        return {"outputs": {n: [out[f"{n}/{i}"] for i in range(len(prompts))] for n in names},
+                "events": list(engine.events), "after_finish": after_finish, "logprobs_ok": logprobs_ok}
+
+    if __name__ == "__main__":
+        configs, prompts, max_tokens = (json.loads(a) for a in sys.argv[1:4])
+        for raw in configs:
+            cfg = EngineConfig.model_validate_json(raw)
+            async_engine = AsyncEngine.from_config(cfg)
+            engine = async_engine.engine
+            try:
+                result = {"method": cfg.speculative.method.value,
+                          "runs": {str(o): run(engine, prompts, max_tokens, o) for o in (True, False)},
+                          "drafts": engine.spec.num_draft_tokens, "accepted": engine.spec.num_accepted_tokens,
+                          "stats": vars(engine.execution.stats) if hasattr(engine.execution, "stats") else None}
+            finally:
+                async_engine.shutdown()
+            print("RESULT " + json.dumps(result), flush=True)
+""")
+
+
+def _specs(draft_dir: str, mtp_dir: str) -> list[dict]:
+    base = {"num_speculative_tokens": K, "verify": "greedy"}
+    return [
+        {**base, "method": "ngram"},
+        {**base, "method": "suffix", "verify": "target_match"},
+        {**base, "method": "draft", "draft_model": draft_dir, "verify": "rejection"},
+        {**base, "method": "mtp", "mtp_path": mtp_dir, "gates": ["mtp-pipeline-parallel"]},
+    ]
+
+
+def _config(model: Path, spec: dict, tp: int, pp: int, trace: Path | None = None) -> EngineConfig:
+    return EngineConfig(
+        load=LoadConfig(model=str(model), weight_cache_dir=None, device="cpu", dtype="float32"),
+        cache=CacheConfig(num_blocks=64, block_size=8),
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET),
+        speculative=SpeculativeConfig(**spec),
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, rendezvous_timeout_s=60,
+                                collective_timeout_s=60, trace_dir=trace),
+    )
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_model_dir, tmp_path_factory) -> Path:
+    """The tiny llama's shape and tokenizer with sharper random weights: greedy continuations that
+    repeat (n-gram and suffix drafts get accepted) and logits far from ties."""
+    cfg = ModelConfig.from_hf(json.loads((tiny_hf_model_dir / "config.json").read_text()))
+    return Path(copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("pp-target"),
+                               random_hf_weights(cfg, seed=3, std=0.3)))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    loaded = load_model(LoadConfig(model=str(target_dir), weight_cache_dir=None))
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target_dir, tmp_path_factory) -> str:
+    """The target plus noise: a draft that agrees often, not always."""
+    gen = torch.Generator().manual_seed(1)
+    weights = load_file(str(target_dir / "model.safetensors"))
+    noisy = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    return copy_hf_folder(target_dir, tmp_path_factory.mktemp("pp-draft"), noisy)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(target, write_random_mtp_head, tmp_path_factory) -> str:
+    return write_random_mtp_head(target[0], tmp_path_factory.mktemp("pp-mtp"))
+
+
+@pytest.fixture(scope="module")
+def prompts(target, full_forward) -> list[list[int]]:
+    """Mixed lengths (the last one prefilled in chunks); the first ends in the model's own greedy
+    continuation, which n-gram and suffix drafts follow."""
+    model, tok = target
+    out = [tok.encode(t) for t in TEXTS]
+    for _ in range(6):
+        out[0].append(int(full_forward(model, out[0])[-1].argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(target, prompts, make_engine) -> list[list[int]]:
+    """TP = 1, PP = 1, no speculation, in this process."""
+    return _generate(make_engine(*target, budget=BUDGET), prompts)
+
+
+def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def _run_layout(tp: int, pp: int, model: Path, specs: list[dict], prompts, tmp: Path, deadline_s: float) -> dict:
+    configs = [_config(model, spec, tp, pp, tmp / f"trace-{spec['method']}").model_dump_json() for spec in specs]
+    done = run_group([sys.executable, "-P", "-c", DRIVER, json.dumps(configs), json.dumps(prompts),
+                      json.dumps(MAX_TOKENS)], deadline_s, tmp)
+    assert done.returncode == 0, done.stderr[-6000:]
+    results = [json.loads(line.removeprefix("RESULT ")) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return {"results": {r["method"]: r for r in results}, "stderr": done.stderr}
+
+
+@pytest.fixture(scope="module")
+def layouts(target_dir, draft_dir, mtp_dir, prompts, tmp_path_factory) -> dict[tuple[int, int], dict]:
+    """(TP, PP) → the driver's results and stderr; traces under ``tmp/trace-<method>``."""
+    out = {}
+    for tp, pp in ((1, 2), (2, 2)):
+        tmp = tmp_path_factory.mktemp(f"tp{tp}pp{pp}")
+        out[(tp, pp)] = {**_run_layout(tp, pp, target_dir, _specs(draft_dir, mtp_dir), prompts, tmp, 240),
+                         "dir": tmp}
+    return out
+
+
+# -- greedy equivalence -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_greedy_output_equals_tp1_pp1_for_every_proposer_with_overlap_on_and_off(
+    layout, layouts, target, prompts, expected, assert_greedy_match
+):
+    results = layouts[layout]["results"]
+    assert sorted(results) == ["draft", "mtp", "ngram", "suffix"]
+    for method, result in results.items():
+        for overlap, run in result["runs"].items():
+            for name, outputs in run["outputs"].items():  # plain = proposer "none" (cap 0)
+                for prompt, want, got in zip(prompts, expected, outputs):
+                    assert_greedy_match(target[0], prompt, want, got)
+            assert run["after_finish"] == 0, (method, overlap)  # nothing emitted for a finished request
+            assert run["logprobs_ok"], (method, overlap)  # one per emitted token, with its top-2, over the link
+        assert result["drafts"] > 0, method
+    accepted = {m: r["accepted"] / r["drafts"] for m, r in results.items()}
+    assert any(0 < a < 1 for a in accepted.values()), accepted  # drafts both accepted and rejected
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_tp1_pp1_reference_matches_with_overlap_on_and_off(proposer, target, prompts, expected, make_engine,
+                                                           assert_greedy_match):
+    """The (1, 1) corner of the matrix, in process (draft and MTP at PP = 1: test_draft_proposer, test_mtp)."""
+    for overlap in (True, False):
+        engine = make_engine(*target, budget=BUDGET, overlap=overlap,
+                             spec={"method": proposer, "num_speculative_tokens": K, "verify": "greedy"})
+        for prompt, want, got in zip(prompts, expected, _generate(engine, prompts)):
+            assert_greedy_match(target[0], prompt, want, got)
+        assert 0 < engine.spec.num_accepted_tokens < engine.spec.num_draft_tokens
+
+
+# -- what each stage holds and runs -------------------------------------------------------------
+
+
+def _trace(directory: Path) -> dict[int, list[dict]]:
+    return {int(f.stem.removeprefix("rank")): [json.loads(line) for line in f.read_text().splitlines()]
+            for f in sorted(directory.glob("rank*.jsonl"))}
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_each_rank_holds_only_its_stage_weights_and_kv(layout, layouts):
+    tp, pp = layout
+    for method in ("ngram", "mtp"):
+        trace = _trace(layouts[layout]["dir"] / f"trace-{method}")
+        assert sorted(trace) == list(range(tp * pp))
+        for rank, records in trace.items():
+            holds = records[0]
+            assert holds["kind"] == "holds" and holds["stage"] == rank // tp
+            params = set(holds["params"])
+            assert holds["kv_layers"] == 1 and holds["layers"] == [rank // tp]  # 2 layers over 2 stages
+            assert {p.split(".")[2] for p in params if p.startswith("model.layers.")} == {"0"}  # local numbering
+            first, last = rank // tp == 0, rank // tp == pp - 1
+            assert ("model.embed_tokens.weight" in params) == (first or (last and method == "mtp")), (rank, method)
+            assert ("lm_head.weight" in params) == last and ("model.norm.weight" in params) == last
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_after_a_rejection_every_stage_runs_the_positions_and_slots_the_verdict_implies(layout, layouts):
+    trace = _trace(layouts[layout]["dir"] / "trace-ngram")
+    steps = {rank: [r for r in records if r["kind"] == "step"] for rank, records in trace.items()}
+    counts = {len(s) for s in steps.values()}
+    assert len(counts) == 1, counts  # every rank ran every step
+    for i in range(counts.pop()):
+        ran = {(tuple(s[i]["positions"]), tuple(s[i]["slots"])) for s in steps.values()}
+        assert len(ran) == 1, f"stages disagree on step {i + 1}"
+    rank0 = steps[0]
+    rejections = 0
+    for step, following in zip(rank0, rank0[1:]):
+        items = {seq: (start, num, drafts) for seq, start, num, drafts in step["items"]}
+        rows, offset = {}, 0
+        for seq, start, num, _ in following["items"]:
+            rows[seq] = (start, following["positions"][offset : offset + num])
+            offset += num
+        for seq, accepted, emitted in step["verdicts"]:
+            start, num, drafts = items[seq]
+            if accepted < drafts and seq in rows:  # drafts rejected on this step, the sequence runs the next
+                rejections += 1
+                next_start, positions = rows[seq]
+                assert next_start == start + num - drafts + accepted  # its last emitted token is the next input
+                assert positions == list(range(next_start, next_start + len(positions)))
+    assert rejections > 0
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_the_verdict_message_stays_within_its_byte_budget(layout, layouts):
+    for method, result in layouts[layout]["results"].items():
+        stats = result["stats"]
+        assert 0 < stats["verdict_bytes"] <= stats["verdict_budget_bytes"], (method, stats)
+        assert stats["steps"] > 0 and stats["waiting_s"] > 0
+
+
+# -- overlap ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_overlap_builds_the_next_inputs_before_reading_the_verdicts_and_no_overlap_after(layout, layouts):
+    for method, result in layouts[layout]["results"].items():
+        _check_event_order(result["runs"]["True"]["events"], overlap=True)
+        _check_event_order(result["runs"]["False"]["events"], overlap=False)
+
+
+def test_overlap_event_order_in_process(target, prompts, make_engine):
+    for overlap in (True, False):
+        engine = make_engine(*target, budget=BUDGET, overlap=overlap, spec={"method": "ngram", "num_speculative_tokens": K})
+        _generate(engine, prompts)
+        _check_event_order([list(e) for e in engine.events], overlap)
+
+
+def _check_event_order(events: list[list], overlap: bool) -> None:
+    position = {}
+    for i, (what, step) in enumerate(events):
+        position.setdefault((what, step), i)
+    launched = sorted(step for what, step in position if what == "launched")
+    assert len(launched) > 3
+    for n in launched[:-1]:
+        read = position[("verdicts read", n)]
+        if overlap:
+            ahead = position[("inputs built ahead", n + 1)]
+            assert ahead < read, f"step {n + 1}'s inputs were not built before step {n}'s verdicts were read"
+        else:
+            assert ("inputs built ahead", n + 1) not in position
+            assert position[("inputs built", n + 1)] > read
+    if overlap:  # requests finish at different steps: their reserved rows were discarded, not run
+        assert any(what.startswith("discarded seq") for what, _ in position)
+
+
+# -- the gate -----------------------------------------------------------------------------------
+
+
+def test_mtp_under_pipeline_parallelism_warns_once_with_the_gate(layouts):
+    assert layouts[(1, 2)]["stderr"].count(MTP_PIPELINE_WARNING) == 1
+
+
+def test_mtp_under_pipeline_parallelism_is_refused_without_the_gate(target_dir, mtp_dir):
+    with pytest.raises(ValidationError, match="gate 'mtp-pipeline-parallel'"):
+        _config(target_dir, {"method": "mtp", "mtp_path": mtp_dir}, 1, 2)
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+def _start_serve(model: Path, port: int, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
+           "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--pipeline-parallel-size", "2",
+           "--log-level", "warning", *extra]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+
+
+@pytest.mark.timeout(90)
+def test_killing_a_stage_mid_generation_brings_every_rank_down_non_zero_after_health_503(tiny_hf_model_dir, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_hf_model_dir, port, log, "--collective-timeout", "5")
+    try:
+        wait_ready(proc, url, log, timeout=60)
+        (worker,) = [pid for pid in descendants(proc.pid) if is_worker(pid)]  # rank 1: the last stage
+        body = {"prompt": "Hello world", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        streamed = threading.Event()
+
+        def generate() -> None:
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
+                    for _ in answer.iter_lines():
+                        streamed.set()
+            except httpx.HTTPError:
+                pass
+
+        client = threading.Thread(target=generate, daemon=True)
+        client.start()
+        assert streamed.wait(30), "no token streamed"
+        os.kill(worker, signal.SIGKILL)  # mid-generation
+        statuses = []
+        while proc.poll() is None:
+            try:
+                statuses.append(httpx.get(url + "/health", timeout=2).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert 503 in statuses, statuses[-5:]
+        assert proc.returncode != 0, log.read_text()[-4000:]
+        assert not running(worker)
+    finally:
+        kill_group(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_rendezvous_port_fails_at_once_naming_it(tiny_hf_model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = tmp_path / "serve.log"
+        proc = _start_serve(tiny_hf_model_dir, free_port(), log, env=env)
+        try:
+            assert proc.wait(timeout=45) != 0
+        finally:
+            kill_group(proc)
+    assert str(port) in log.read_text()
