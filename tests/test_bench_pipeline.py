@@ -2,11 +2,15 @@
 systems, the pipeline table, and one quick end-to-end run on the tiny model (real subprocesses, a
 real two-stage group). No timing is asserted: the machine is noisy."""
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from specdecode.runtime.bench import command, correctness, report
+from specdecode.runtime.bench import command, correctness, report, schedule
 from specdecode.runtime.bench.records import PipelineSteps, RequestTiming, RunResult, SystemResult
 from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, build_systems
 from specdecode.runtime.config import MTP_PIPELINE_GATE
@@ -68,6 +72,20 @@ def test_the_speedup_cell_shows_the_range_of_the_per_round_ratios():
     assert "| 0.80× (0.70–0.90) |" in report.format_table(rows, 2)
     single = {name: replace(r, runs=r.runs[:1]) for name, r in results.items()}  # one round: no range
     assert report.build_summaries(systems, single, correctness.Correctness())[1].vs_nospec_range is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_child_process_cpu_is_own_not_competing():
+    """A pipeline group's other ranks are this system's processes: their CPU must not read as
+    "other processes" (which would discard every pipeline run as disturbed)."""
+    spin = "import time\nwhile time.process_time() < 0.5: pass\nprint('spun', flush=True)\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "spun\n"
+        assert sum(schedule._descendants_cpu_s(os.getpid())) >= 0.45  # clock ticks: 0.49 s or so
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_bench_pipeline_and_overlap_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):

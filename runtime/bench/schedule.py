@@ -3,7 +3,8 @@
 Per concurrency: one warm-up run over the first max(2, c) prompts (not reported), then
 ``job.runs`` timed runs over all of them. Around each run we measure the *competing CPU*: the
 cores the rest of the machine kept busy meanwhile (other processes, plus time the hypervisor
-stole), i.e. machine-wide busy CPU time from /proc/stat minus this process's own, over the wall
+stole), i.e. machine-wide busy CPU time from /proc/stat minus that of this process and its
+descendants (a pipeline group's other ranks are the system under test too), over the wall
 time. Before a timed run we wait (up to ``job.quiet_wait_s``) for the machine to go quiet; a
 timed run with more than ``BUSY_CORES`` of competing CPU is *discarded* (kept in the JSON,
 left out of the medians) and repeated, up to ``job.busy_retries`` times.
@@ -89,5 +90,28 @@ def _machine_busy_s() -> float | None:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its live descendants."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + sum(_descendants_cpu_s(os.getpid()))
+
+
+def _descendants_cpu_s(root: int) -> list[float]:
+    """CPU seconds of each live descendant of ``root``, from /proc (none off Linux)."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        # pid (comm) state ppid … utime stime: comm may hold spaces and parentheses, so split after its last ")"
+        fields = text[text.rindex(")") + 2:].split()
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(cpu[pid])
+        stack.extend(children.get(pid, []))
+    return found
