@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import closing
 from pathlib import Path
@@ -79,3 +80,13 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def start_serve(model: Path, port: int, log: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``specdecode serve`` of ``model`` on the CPU with ``flags`` (e.g. a parallel layout), its own
+    session (``kill_group`` takes the whole tree), output in ``log``."""
+    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
+           "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--log-level", "warning", *flags]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})

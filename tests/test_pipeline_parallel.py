@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -28,7 +27,7 @@ import httpx
 import pytest
 import torch
 from conftest import copy_hf_folder, random_hf_weights
-from local_process import descendants, free_port, is_worker, kill_group, run_group, running, wait_ready
+from local_process import descendants, free_port, is_worker, kill_group, run_group, running, start_serve, wait_ready
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
@@ -46,6 +45,7 @@ from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.model_config import ModelConfig
 
 K = 3
+PP2 = ("--pipeline-parallel-size", "2")
 BUDGET = 24  # tokens per step: the longest prompt is prefilled in chunks
 TEXTS = ["a b a b a b a b", "Hello", "one two three one two three one two three one two three four five six seven"]
 MAX_TOKENS = [12, 7, 10]  # sequences finish at different steps while others run
@@ -336,21 +336,12 @@ def test_mtp_under_pipeline_parallelism_is_refused_without_the_gate(target_dir, 
 # -- faults -------------------------------------------------------------------------------------
 
 
-def _start_serve(model: Path, port: int, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
-           "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--pipeline-parallel-size", "2",
-           "--log-level", "warning", *extra]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
-
-
 @pytest.mark.timeout(90)
 def test_killing_a_stage_mid_generation_brings_every_rank_down_non_zero_after_health_503(tiny_hf_model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_hf_model_dir, port, log, "--collective-timeout", "5")
+    proc = start_serve(tiny_hf_model_dir, port, log, *PP2, "--collective-timeout", "5")
     try:
         wait_ready(proc, url, log, timeout=60)
         (worker,) = [pid for pid in descendants(proc.pid) if is_worker(pid)]  # rank 1: the last stage
@@ -393,7 +384,7 @@ def test_a_taken_rendezvous_port_fails_at_once_naming_it(tiny_hf_model_dir, tmp_
         port = taken.getsockname()[1]
         env = {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         log = tmp_path / "serve.log"
-        proc = _start_serve(tiny_hf_model_dir, free_port(), log, env=env)
+        proc = start_serve(tiny_hf_model_dir, free_port(), log, *PP2, env=env)
         try:
             assert proc.wait(timeout=45) != 0
         finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -18,7 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_process import descendants, free_port, is_worker, kill_group, run_group, running, wait_ready
+from local_process import (
+    descendants, free_port, is_worker, kill_group, run_group, running, start_serve, wait_ready,
+)
 import torch
 from pydantic import ValidationError
 
@@ -31,6 +32,7 @@ from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 
 MAX_TOKENS = 16
+TP2, PP2 = ("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")
 # Rank 0 in a subprocess: one engine with speculation (n-gram, or MTP heads) runs every prompt twice
 # in one batch, once with speculation capped to 0 for the request (plain decoding) and once with it
 # on; prints the token ids and the speculation counters as JSON.
@@ -211,21 +213,12 @@ def test_rendered_multi_pod_group_env_builds_the_rank_layout():
 # -- serve as a process tree --------------------------------------------------------------------
 
 
-def _start_serve(model: Path, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
-           "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--tensor-parallel-size", "2",
-           "--log-level", "warning"]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
-
-
 @pytest.mark.timeout(60)
 def test_serve_tp2_answers_then_sigterm_leaves_no_process_behind(tiny_hf_model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_hf_model_dir, port, log)
+    proc = start_serve(tiny_hf_model_dir, port, log, *TP2)
     try:
         wait_ready(proc, url, log, timeout=40)
         spawned = descendants(proc.pid)
@@ -248,7 +241,7 @@ def test_serve_tp2_health_fails_then_exits_non_zero_when_a_worker_dies(tiny_hf_m
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_hf_model_dir, port, log)
+    proc = start_serve(tiny_hf_model_dir, port, log, *TP2)
     try:
         wait_ready(proc, url, log, timeout=40)
         assert httpx.get(url + "/health", timeout=5).status_code == 200
@@ -266,12 +259,14 @@ def test_serve_tp2_health_fails_then_exits_non_zero_when_a_worker_dies(tiny_hf_m
 
 
 @pytest.mark.timeout(60)
-def test_two_pods_node_0_serves_and_node_1_runs_its_rank_behind_probes(tiny_hf_model_dir, tmp_path):
-    """The multi-pod layout the operator renders, as two local processes: NNODES=2, one rank each."""
+@pytest.mark.parametrize("layout", [TP2, PP2], ids=["TP2", "PP2"])
+def test_two_pods_node_0_serves_and_node_1_runs_its_rank_behind_probes(tiny_hf_model_dir, tmp_path, layout):
+    """The multi-pod layout the operator renders, as two local processes: NNODES=2, one rank each
+    (under PP2 node 1 is the last stage: it verifies)."""
     group = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ports, logs = [free_port(), free_port()], [tmp_path / "node0.log", tmp_path / "node1.log"]
-    node1 = _start_serve(tiny_hf_model_dir, ports[1], logs[1], {**group, "NODE_RANK": "1"})
-    node0 = _start_serve(tiny_hf_model_dir, ports[0], logs[0], {**group, "NODE_RANK": "0"})
+    node1 = start_serve(tiny_hf_model_dir, ports[1], logs[1], *layout, env={**group, "NODE_RANK": "1"})
+    node0 = start_serve(tiny_hf_model_dir, ports[0], logs[0], *layout, env={**group, "NODE_RANK": "0"})
     url0, url1 = (f"http://127.0.0.1:{p}" for p in ports)
     try:
         wait_ready(node1, url1, logs[1], timeout=40)
