@@ -49,6 +49,7 @@ PP2 = ("--pipeline-parallel-size", "2")
 BUDGET = 24  # tokens per step: the longest prompt is prefilled in chunks
 TEXTS = ["a b a b a b a b", "Hello", "one two three one two three one two three one two three four five six seven"]
 MAX_TOKENS = [12, 7, 10]  # sequences finish at different steps while others run
+SAMPLED = dict(temperature=0.8, presence_penalty=0.5)  # with seed 100 + i: target_match gives exactly the no-spec tokens
 # Rank 0 in a subprocess: per speculative config, a group; in it, every prompt with speculation
 # capped to 0 (plain decoding) and with it on, overlap on and then off; prints JSON per config.
 DRIVER = textwrap.dedent("""
@@ -61,10 +62,13 @@ DRIVER = textwrap.dedent("""
         engine.overlap = overlap
         engine.events.clear()
         out, logprobs, finished, after_finish = {}, {}, set(), 0
-        for name, k, lp in (("plain", 0, None), ("spec", None, 2)):  # the speculating ones ask for logprobs
+        kinds = {"plain": dict(num_speculative_tokens=0),  # proposer "none"
+                 "spec": dict(logprobs=2),  # speculating, with logprobs
+                 "sampled": dict(temperature=0.8, presence_penalty=0.5)}  # seeded: see SAMPLED
+        for name, extra in kinds.items():
             for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-                params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, num_speculative_tokens=k,
-                                        logprobs=lp)
+                params = SamplingParams(**{"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "seed": 100 + i,
+                                           **extra})
                 engine.add_request(f"{name}/{i}", prompt, params)
                 out[f"{name}/{i}"], logprobs[f"{name}/{i}"] = [], []
         while engine.has_unfinished():
@@ -74,7 +78,7 @@ DRIVER = textwrap.dedent("""
                 logprobs[o.request_id] += [(lp.token_id, len(lp.top)) for d in o.deltas for lp in d.logprobs]
                 if o.finished:
                     finished.add(o.request_id)
-        names = ("plain", "spec")
+        names = tuple(kinds)
         logprobs_ok = all(logprobs[r] == [(t, 2) for t in out[r]] for r in out if r.startswith("spec"))
         return {"outputs": {n: [out[f"{n}/{i}"] for i in range(len(prompts))] for n in names},
                 "events": list(engine.events), "after_finish": after_finish, "logprobs_ok": logprobs_ok}
@@ -163,9 +167,16 @@ def expected(target, prompts, make_engine) -> list[list[int]]:
     return _generate(make_engine(*target, budget=BUDGET), prompts)
 
 
-def _generate(engine, prompts: list[list[int]]) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def expected_sampled(target, prompts, make_engine) -> list[list[int]]:
+    """TP = 1, PP = 1, no speculation, seeded sampling with a presence penalty."""
+    return _generate(make_engine(*target, budget=BUDGET), prompts, **SAMPLED)
+
+
+def _generate(engine, prompts: list[list[int]], **sampling) -> list[list[int]]:
     for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(**{"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "seed": 100 + i, **sampling})
+        engine.add_request(str(i), prompt, params)
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for o in engine.step():
@@ -204,14 +215,24 @@ def test_greedy_output_equals_tp1_pp1_for_every_proposer_with_overlap_on_and_off
     assert sorted(results) == ["draft", "mtp", "ngram", "suffix"]
     for method, result in results.items():
         for overlap, run in result["runs"].items():
-            for name, outputs in run["outputs"].items():  # plain = proposer "none" (cap 0)
-                for prompt, want, got in zip(prompts, expected, outputs):
+            for name in ("plain", "spec"):  # plain = proposer "none" (cap 0)
+                for prompt, want, got in zip(prompts, expected, run["outputs"][name]):
                     assert_greedy_match(target[0], prompt, want, got)
             assert run["after_finish"] == 0, (method, overlap)  # nothing emitted for a finished request
             assert run["logprobs_ok"], (method, overlap)  # one per emitted token, with its top-2, over the link
         assert result["drafts"] > 0, method
     accepted = {m: r["accepted"] / r["drafts"] for m, r in results.items()}
     assert any(0 < a < 1 for a in accepted.values()), accepted  # drafts both accepted and rejected
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_seeded_sampling_with_target_match_equals_tp1_pp1_no_spec_exactly(layout, layouts, expected_sampled):
+    """The verifier's mirrors carry each request's seed, positions and output tokens (the presence
+    penalty reads them): seeded target_match (what ``greedy`` means for sampled requests) emits
+    exactly the no-spec tokens (rejection sampling, the draft group, is lossless in distribution only)."""
+    for method in ("ngram", "suffix", "mtp"):
+        for overlap, run in layouts[layout]["results"][method]["runs"].items():
+            assert run["outputs"]["sampled"] == expected_sampled, (method, overlap)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "suffix"])

@@ -29,7 +29,6 @@ runs on those.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,6 @@ from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.parallel.step_channel import StepChannel, TensorParallelBroken
 from specdecode.runtime.proposers import Proposal, Proposer, build_proposer
 
-log = logging.getLogger(__name__)
 PAD = -1
 
 
@@ -171,8 +169,9 @@ class RelayedDrafts(Proposer):
     def __init__(self) -> None:
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id → (len(seq) they follow, drafts)
 
-    def keep(self, seq: Sequence, drafts: list[int]) -> None:
-        self.drafts[seq.seq_id] = (len(seq), drafts)
+    def keep(self, seq_id: int, length: int, drafts: list[int]) -> None:
+        """``drafts`` for sequence ``seq_id`` once it has ``length`` tokens."""
+        self.drafts[seq_id] = (length, drafts)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
         return Proposal([self._ready(seq)[:k] for seq, k in zip(seqs, max_drafts)])
@@ -289,7 +288,7 @@ class PipelineExecution(Execution):
             out.append(Verdict(message.tokens[i], message.num_accepted[i], logprobs[i] if logprobs else []))
             if self.relayed is not None:
                 # the drafts follow the sequence once all its emitted tokens are appended
-                self.relayed.drafts[item.seq.seq_id] = (len(item.seq) + len(message.tokens[i]), message.drafts[i])
+                self.relayed.keep(item.seq.seq_id, len(item.seq) + len(message.tokens[i]), message.drafts[i])
         return out
 
     def _count(self, numel: int, num_rows: int, handed_on: float) -> None:
