@@ -59,6 +59,9 @@ ENV_NODE_RANK = "NODE_RANK"
 ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"  # injected into every pod by LeaderWorkerSet
 
 REVISION_LENGTH = 10
+# spec.replicas' maximum, in the CRD's schema, so that /scale (kubectl scale, an HPA) obeys it too:
+# a replica (group) index has at most three digits whatever the replicas.
+MAX_REPLICAS = 1000
 # A StatefulSet's name is capped at 52 characters (its controller-revision-hash label adds 11):
 # {name}-{revision}-{group} must fit, so the resource name is bounded (see resolve).
 MAX_STATEFULSET_NAME = 52
@@ -130,6 +133,6 @@ def pdb_name(name: str) -> str:
     return name
 
 
-def max_resource_name_length(replicas: int) -> int:
-    """The longest resource name whose StatefulSet names still fit."""
-    return MAX_STATEFULSET_NAME - len(group_name("", "x" * REVISION_LENGTH, max(replicas - 1, 0)))
+# The longest resource name whose StatefulSet names fit at every replicas the schema allows: a
+# resource's validity never depends on its replicas, which /scale changes without admission.
+MAX_RESOURCE_NAME_LENGTH = MAX_STATEFULSET_NAME - len(group_name("", "x" * REVISION_LENGTH, MAX_REPLICAS - 1))

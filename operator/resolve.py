@@ -189,11 +189,9 @@ def _identity_errors(body: Mapping[str, Any], name: str) -> list[str]:
     if not _NAME.match(name):
         errors.append("metadata.name: must be lowercase letters, digits and '-', starting with a letter "
                       "(it names the Service)")
-    replicas = _mapping(body, "spec").get("replicas", 1)
-    limit = names.max_resource_name_length(replicas if isinstance(replicas, int) else 1)
-    if len(name) > limit:
-        errors.append(f"metadata.name: at most {limit} characters (the workloads are named "
-                      f"{names.group_name(name, '<revision>', 0)}); shorten it")
+    if len(name) > names.MAX_RESOURCE_NAME_LENGTH:
+        errors.append(f"metadata.name: at most {names.MAX_RESOURCE_NAME_LENGTH} characters (the workloads are named "
+                      f"{names.group_name(name, '<revision>', names.MAX_REPLICAS - 1)} at most); shorten it")
     return errors
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
+from specdecode.operator import names
 from specdecode.runtime.config import KNOWN_GATES, Shared, SpeculativeConfig
 
 # int-or-string (Kubernetes IntOrString / Quantity): the CRD generator turns this union into
@@ -206,7 +207,7 @@ class SpecDecodeDeploymentSpec(Shared):
     model: ModelSource
     image: str = Field(min_length=1, description="the runtime image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    replicas: int = Field(1, ge=0, description="model replicas (each one parallel group)")
+    replicas: int = Field(1, ge=0, le=names.MAX_REPLICAS, description="model replicas (each one parallel group)")
     parallelism: Parallelism = Parallelism()
     resources: Resources = Resources()
     speculative: SpeculativeConfig = SpeculativeConfig()

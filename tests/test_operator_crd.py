@@ -72,6 +72,14 @@ def test_crd_identity_subresources_and_columns():
                 node = node["properties"][part]
 
 
+def test_replicas_are_bounded_in_the_schema_that_scale_obeys():
+    """/scale (kubectl scale, an HPA) skips admission but not the CRD's schema: the replicas bound
+    the name limit assumes holds there too."""
+    replicas = served_schema()["properties"]["spec"]["properties"]["replicas"]
+    assert (replicas["minimum"], replicas["maximum"]) == (0, names.MAX_REPLICAS)
+    assert crd.build_crd()["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+
+
 @pytest.mark.parametrize("version", ["1.30", kubernetes_validate.latest_version()])
 def test_crd_passes_kubernetes_schema(version):
     kubernetes_validate.validate(crd.build_crd(), version, strict=True)

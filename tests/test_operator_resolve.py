@@ -186,11 +186,26 @@ def test_identity_and_name_rules():
     body["kind"] = "Deployment"
     assert "apiVersion/kind: must be specdecode.io/v1alpha1 SpecDecodeDeployment" in refusal(body)
     assert "metadata.name: must be lowercase letters" in refusal(cr(name="Demo"))
-    long_name = "a" * 40
-    assert f"metadata.name: at most {names.max_resource_name_length(1)} characters" in refusal(cr(name=long_name))
     body = cr()
     del body["spec"]
     assert "spec: required" in refusal(body)
+
+
+@pytest.mark.parametrize("replicas", [0, 1, 11, names.MAX_REPLICAS])
+def test_the_name_limit_does_not_depend_on_replicas(replicas):
+    """/scale changes replicas without admission: a valid resource stays valid at any replicas the
+    schema allows, and its StatefulSet names fit at the largest."""
+    longest = "a" * names.MAX_RESOURCE_NAME_LENGTH
+    assert resolve(cr(name=longest, replicas=replicas)).allowed
+    assert len(names.group_name(longest, "x" * names.REVISION_LENGTH, names.MAX_REPLICAS - 1)) == \
+        names.MAX_STATEFULSET_NAME
+    message = refusal(cr(name=longest + "a", replicas=replicas))
+    assert f"metadata.name: at most {names.MAX_RESOURCE_NAME_LENGTH} characters" in message
+    assert "shorten it" in message
+
+
+def test_replicas_are_bounded_by_the_schema():
+    assert "spec.replicas: Input should be less than or equal to 1000" in refusal(cr(replicas=names.MAX_REPLICAS + 1))
 
 
 def test_several_errors_are_reported_together_and_admission_denies():
