@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import yaml
 
 from specdecode.operator.render import render
-from specdecode.operator.resolve import Resolution, admission_response, resolve
+from specdecode.operator.resolve import Resolution, admission_response, admit
 
 EXIT_REFUSED = 1
 EXIT_UNREADABLE = 2
@@ -46,10 +46,10 @@ def _by_name(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def resolutions(path: str, old_path: str | None = None) -> Iterator[Resolution]:
-    """One resolution per document; with ``old_path``, as an update of the same-named resource."""
+    """Admission's answer per document; with ``old_path``, as an update of the same-named resource."""
     old = _by_name(load_documents(old_path)) if old_path else {}
     for doc in load_documents(path):
-        yield resolve(doc, old.get((doc.get("metadata") or {}).get("name", "")))
+        yield admit(doc, old.get((doc.get("metadata") or {}).get("name", "")))
 
 
 def _warn(resolution: Resolution, err: TextIO) -> None:

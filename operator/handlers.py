@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 
 from specdecode.operator import controller, names
-from specdecode.operator.resolve import resolve
+from specdecode.operator.resolve import admit
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
@@ -100,7 +100,7 @@ def forget(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.validate(*RESOURCE, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
 def validate(body: kopf.Body, old: kopf.Body | None, warnings: list[str], **_: Any) -> None:
-    answer = resolve(body, old)
+    answer = admit(body, old)
     warnings.extend(answer.warnings)
     if not answer.allowed:
         raise kopf.AdmissionError(answer.message, code=422)

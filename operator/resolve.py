@@ -1,9 +1,9 @@
 """resolve: a SpecDecodeDeployment as written → the spec the operator renders, or what to change.
 
-Pure (no I/O). The validating webhook answers with ``admission_response(resolve(new, old))``;
-reconcile calls it again, so a spec that slipped past admission gets ``Ready=False,
+Pure (no I/O). The validating webhook answers with ``admission_response(admit(new, old))``;
+reconcile calls ``resolve`` again, so a spec that slipped past admission gets ``Ready=False,
 reason=InvalidSpec`` with the same messages instead of a crash loop. ``specdecode validate``
-prints the same answer.
+prints the webhook's answer.
 
 Every message starts with the field to change (``spec.resources.gpusPerPod: …``) and says what
 to change it to. Decisions:
@@ -146,7 +146,32 @@ def admission_response(resolution: Resolution) -> dict[str, Any]:
     return response
 
 
-# -- entry point --------------------------------------------------------------------------------
+# -- entry points -------------------------------------------------------------------------------
+
+
+def admit(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Resolution:
+    """What admission answers: ``resolve``'s answer, except that an UPDATE which leaves ``spec`` as it
+    was, or which reaches a resource being deleted, is never refused (what resolve refuses becomes a
+    warning). Such updates are metadata: the promote/abort/pause annotations, kopf's finalizer
+    removal. A stored resource can be invalid without a write admission saw (a rule added by an
+    operator upgrade); refusing them would leave it impossible to steer or to delete."""
+    resolution = resolve(body, old)
+    exemption = _exemption(body, old)
+    if resolution.allowed or exemption is None:
+        return resolution
+    return Resolution(None, (), (*resolution.warnings, f"{resolution.message} (allowed: {exemption})"),
+                      resolution.name)
+
+
+def _exemption(body: Mapping[str, Any], old: Mapping[str, Any] | None) -> str | None:
+    """Why this UPDATE may not be refused, or None (a CREATE, or a change of spec)."""
+    if old is None:
+        return None
+    if _mapping(body, "metadata").get("deletionTimestamp"):
+        return "the resource is being deleted"
+    if body.get("spec") == old.get("spec"):
+        return "this update leaves spec as it was"
+    return None
 
 
 def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Resolution:

@@ -60,6 +60,19 @@ def test_validate_warnings_go_to_stderr_and_old_checks_immutability(tmp_path, ca
     assert "spec.parallelism: the parallel group is immutable" in capsys.readouterr().out
 
 
+def test_validate_old_answers_as_admission_an_update_that_leaves_spec_as_it_was(tmp_path, capsys):
+    body = yaml.safe_load(Path(BAD).read_text())
+    body["metadata"]["annotations"] = {"specdecode.io/pause": "true"}
+    new = tmp_path / "annotated.yaml"
+    new.write_text(yaml.safe_dump(body))
+    assert main(["validate", str(new), "--old", BAD]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "allowed: invalid-mtp\n"
+    assert captured.err.startswith('Warning: SpecDecodeDeployment "invalid-mtp" is invalid: ')
+    assert captured.err.rstrip().endswith("(allowed: this update leaves spec as it was)")
+    assert main(["validate", str(new)]) == 1  # as a create it is refused
+
+
 def test_unreadable_files_exit_2(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
     (tmp_path / "list.yaml").write_text("- a\n- b\n")

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from specdecode.operator import names
-from specdecode.operator.resolve import admission_response, resolve
+from specdecode.operator.resolve import admission_response, admit, resolve
 from specdecode.runtime.config import MTP_PIPELINE_WARNING, mtp_pipeline_gate_refusal
 
 
@@ -206,6 +206,38 @@ def test_the_name_limit_does_not_depend_on_replicas(replicas):
 
 def test_replicas_are_bounded_by_the_schema():
     assert "spec.replicas: Input should be less than or equal to 1000" in refusal(cr(replicas=names.MAX_REPLICAS + 1))
+
+
+def stored_invalid() -> dict[str, Any]:
+    """A stored resource that resolve refuses, as one created before a rule was added would be."""
+    body = cr(replicas=3, speculative={"method": "draft"})
+    body["metadata"] |= {"namespace": "llm", "finalizers": ["specdecode.io/finalizer"]}
+    return body
+
+
+def test_an_update_leaving_spec_as_it_was_is_never_refused():
+    stored = stored_invalid()
+    annotated = copy.deepcopy(stored)
+    annotated["metadata"]["annotations"] = {names.ANNOTATION_PROMOTE: "true"}
+    answer = admit(annotated, stored)
+    assert answer.allowed and answer.resolved is None and admission_response(answer)["allowed"] is True
+    (warning,) = answer.warnings
+    assert "spec.speculative: method 'draft' needs draftModel" in warning
+    assert warning.endswith("(allowed: this update leaves spec as it was)")
+    assert not resolve(annotated, stored).allowed  # reconcile still reports it (Ready=False, InvalidSpec)
+    changed = copy.deepcopy(annotated)
+    changed["spec"]["replicas"] = 4
+    assert not admit(changed, stored).allowed  # a change of spec is checked
+    assert not admit(annotated).allowed  # so is a create
+
+
+def test_a_resource_being_deleted_takes_every_update():
+    stored = stored_invalid()
+    stored["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    released = copy.deepcopy(stored)
+    released["metadata"]["finalizers"] = []  # kopf's finalizer removal
+    answer = admit(released, stored)
+    assert answer.allowed and answer.warnings[-1].endswith("(allowed: the resource is being deleted)")
 
 
 def test_several_errors_are_reported_together_and_admission_denies():

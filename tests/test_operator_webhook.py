@@ -4,6 +4,7 @@ AdmissionReviews (admission.k8s.io/v1) over TLS on the path the chart's
 ValidatingWebhookConfiguration names."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import ssl
@@ -163,3 +164,43 @@ def test_an_update_may_not_change_the_parallel_group(webhook: Webhook) -> None:
     answer = webhook.review("UPDATE", new, old)
     assert answer["allowed"] is False and "the parallel group is immutable" in answer["status"]["message"]
     assert webhook.review("UPDATE", example(), old)["allowed"] is True
+
+
+def test_scale_then_annotate_then_delete_is_never_refused(webhook: Webhook) -> None:
+    """/scale changes spec.replicas without admission (within the schema's bound); the promote
+    annotation after it and kopf's finalizer removal on delete are metadata-only updates."""
+    stored = example("a" * names.MAX_RESOURCE_NAME_LENGTH)
+    stored["metadata"]["finalizers"] = ["specdecode.io/finalizer"]
+    stored["spec"]["replicas"] = names.MAX_REPLICAS  # what kubectl scale / an HPA wrote
+    annotated = copy.deepcopy(stored)
+    annotated["metadata"]["annotations"] = {names.ANNOTATION_PROMOTE: "true"}
+    answer = webhook.review("UPDATE", annotated, stored)
+    assert answer["allowed"] is True and "warnings" not in answer
+    deleting = copy.deepcopy(annotated)
+    deleting["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    released = copy.deepcopy(deleting)
+    released["metadata"]["finalizers"] = []
+    answer = webhook.review("UPDATE", released, deleting)
+    assert answer["allowed"] is True and "warnings" not in answer
+
+
+def test_a_stored_invalid_resource_still_takes_metadata_updates_and_its_deletion(webhook: Webhook) -> None:
+    """Invalid without admission having seen it (a rule added by an upgrade): annotations and the
+    finalizer removal get in, with the refusal as a warning; a change of spec is refused."""
+    stored = example("older")
+    stored["metadata"]["finalizers"] = ["specdecode.io/finalizer"]
+    stored["spec"]["speculative"] = {"method": "draft"}  # needs draftModel
+    annotated = copy.deepcopy(stored)
+    annotated["metadata"]["annotations"] = {names.ANNOTATION_ABORT: "true"}
+    answer = webhook.review("UPDATE", annotated, stored)
+    assert answer["allowed"] is True
+    assert any("method 'draft' needs draftModel" in w and w.endswith("(allowed: this update leaves spec as it was)")
+               for w in answer["warnings"])
+    changed = copy.deepcopy(annotated)
+    changed["spec"]["replicas"] += 1
+    assert webhook.review("UPDATE", changed, annotated)["allowed"] is False
+    deleting = copy.deepcopy(annotated)
+    deleting["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    released = copy.deepcopy(deleting)
+    released["metadata"]["finalizers"] = []
+    assert webhook.review("UPDATE", released, deleting)["allowed"] is True
