@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from specdecode.operator import names
+from specdecode.operator.kubeschema import UNKNOWN_FIELD, SchemaViolations
 from specdecode.operator.spec import (
     SOURCE_URI_PATTERN,
     IntOrString,
@@ -44,6 +45,7 @@ from specdecode.operator.spec import (
     SpecDecodeDeploymentSpec,
     in_crd_spelling,
 )
+from specdecode.runtime.cli import ArgumentsRefused, build_parser
 from specdecode.runtime.config import (
     MTP_PIPELINE_GATE,
     MTP_PIPELINE_WARNING,
@@ -196,7 +198,7 @@ def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Re
     errors += _rule_errors(spec, name)
     if old is not None and layout is not None:
         errors += _immutable_errors(old, layout)
-    warnings = tuple(_warnings(spec))
+    warnings = tuple(_warnings(spec, name))
     if errors or layout is None:
         return Resolution(None, tuple(errors), warnings, name)
     resolved = Resolved(name, namespace, _filled(spec, layout), layout, warnings)
@@ -243,9 +245,13 @@ def _pydantic_errors(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors(include_url=False):
         loc = [part for part in err["loc"] if part not in ("function-after",)]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, SchemaViolations):  # a pod field against Kubernetes' schema: one line per part
+            out += [f"{_path([*loc, *inner])}: {message}" for inner, message in cause.violations]
+            continue
         kind, msg = err["type"], err["msg"]
         if kind == "extra_forbidden":
-            msg = "unknown field; remove it (field names are camelCase)"
+            msg = UNKNOWN_FIELD
         elif kind == "missing":
             msg = "required"
         elif kind == "string_pattern_mismatch":
@@ -310,12 +316,41 @@ def _raw_rule_errors(raw: Mapping[str, Any]) -> list[str]:
 
 
 def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
-    errors = _source_errors(spec) + _rollout_errors(spec)
-    for i, arg in enumerate(spec.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in RENDERED_FLAGS:
-            errors.append(f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it")
+    return _source_errors(spec) + _rollout_errors(spec) + _gpu_override_errors(spec) + _extra_args_errors(spec.extra_args)
+
+
+def _gpu_override_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
+    """The GPU resource is resources.gpusPerPod's; render writes it over requests and limits."""
+    res = spec.resources
+    return [f"spec.resources.{kind}[{res.gpu_resource_name}]: set from spec.resources.gpusPerPod (GPUs per pod; "
+            "default parallelism.tensor, 0 = CPU), which would replace this value; remove it and set gpusPerPod"
+            for kind, values in (("requests", res.requests), ("limits", res.limits)) if res.gpu_resource_name in values]
+
+
+def _extra_args_errors(args: tuple[str, ...]) -> list[str]:
+    """``extraArgs`` as ``specdecode serve`` will read them, checked with its own parser made strict
+    (no abbreviations: ``--tensor-parallel`` would mean ``--tensor-parallel-size`` to the runtime)."""
+    flags = [arg.split("=", 1)[0] for arg in args]
+    errors = [f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it"
+              for i, flag in enumerate(flags) if flag in RENDERED_FLAGS]
+    try:
+        _, unknown = build_parser(strict=True).parse_known_args(["serve", *args])
+    except ArgumentsRefused as exc:
+        return [*errors, f"spec.extraArgs: `specdecode serve` refuses them: {exc}"]
+    unknown_flags = list(dict.fromkeys(token.split("=", 1)[0] for token in unknown if token.startswith("-")))
+    errors += [f"spec.extraArgs[{flags.index(flag)}]: {flag} is no `specdecode serve` flag (abbreviations are not "
+               f"accepted); {_unknown_flag_hint(flag)}" for flag in unknown_flags]
+    if not unknown_flags:  # values after a flag that takes none (the runtime would refuse them)
+        errors += [f"spec.extraArgs[{args.index(value)}]: '{value}' is a value that no flag takes; remove it"
+                   for value in dict.fromkeys(unknown)]
     return errors
+
+
+def _unknown_flag_hint(flag: str) -> str:
+    rendered = [full for full in RENDERED_FLAGS if full.startswith(flag)]
+    if len(rendered) == 1:
+        return f"{rendered[0]} is set from {RENDERED_FLAGS[rendered[0]]}; remove it"
+    return "write the flag in full as `specdecode serve --help` lists it, or remove it"
 
 
 def _source_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
@@ -375,7 +410,18 @@ def duration_seconds(text: str) -> float:
     return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
 
 
-def _warnings(spec: SpecDecodeDeploymentSpec) -> Iterable[str]:
+def _operator_pod_labels(name: str) -> dict[str, str]:
+    """Label key → the value every runtime pod gets: from render, and the workload controllers' rank."""
+    return {**{key: f"'{value}'" for key, value in names.runtime_pod_labels(name).items()},
+            names.LABEL_REVISION: "its revision", names.LABEL_GROUP: "its replica's index",
+            names.LABEL_STS_POD_INDEX: "its rank in the replica", names.LABEL_LWS_WORKER_INDEX: "its rank in the replica"}
+
+
+def _warnings(spec: SpecDecodeDeploymentSpec, name: str) -> Iterable[str]:
+    owned = _operator_pod_labels(name)
+    for key in sorted(spec.pod.labels.keys() & owned.keys()):
+        yield (f"spec.pod.labels[{key}]: every runtime pod gets this label set to {owned[key]} (the operator finds "
+               f"and ranks its pods by it), so '{spec.pod.labels[key]}' is replaced; use another key")
     speculative = spec.speculative
     if (speculative.method is SpeculativeMethod.MTP and spec.parallelism.pipeline > 1
             and MTP_PIPELINE_GATE in {*spec.gates, *speculative.gates}):

@@ -13,15 +13,23 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from specdecode.operator import names
+from specdecode.operator.kubeschema import check_quantity, kubernetes_object
 from specdecode.runtime.config import KNOWN_GATES, Shared, SpeculativeConfig
 
 # int-or-string (Kubernetes IntOrString / Quantity): the CRD generator turns this union into
-# ``x-kubernetes-int-or-string``; resolve checks the string forms.
+# ``x-kubernetes-int-or-string``; resolve checks IntOrString's string forms, a quantity checks its own.
 IntOrString = int | str
-Quantity = Annotated[int | str, Field(description="a Kubernetes quantity, e.g. 16Gi or 500m")]
+Quantity = Annotated[int | str, AfterValidator(check_quantity),
+                     Field(description="a Kubernetes quantity, e.g. 16Gi or 500m")]
+# Pod fields passed through as written, each checked against Kubernetes' own schema (kubeschema).
+Toleration = kubernetes_object("Toleration")
+Affinity = kubernetes_object("Affinity")
+EnvVar = kubernetes_object("EnvVar")
+Volume = kubernetes_object("Volume")
+VolumeMount = kubernetes_object("VolumeMount")
 # Go-style durations as kubectl and Argo Rollouts write them: 30s, 5m, 1h30m.
 Duration = Annotated[str, Field(pattern=r"^([0-9]+(ms|s|m|h))+$")]
 Gate = Literal[tuple(sorted(KNOWN_GATES))]  # type: ignore[valid-type] - the enum follows KNOWN_GATES
@@ -188,16 +196,16 @@ class PodOverrides(Shared):
     """Passed through to every pod unchanged (the Kubernetes schema of each applies)."""
 
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: tuple[dict[str, Any], ...] = ()
-    affinity: dict[str, Any] | None = None
+    tolerations: tuple[Toleration, ...] = ()
+    affinity: Affinity | None = None
     image_pull_secrets: tuple[LocalObjectReference, ...] = ()
     service_account_name: str | None = None
     priority_class_name: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
-    env: tuple[dict[str, Any], ...] = Field((), description="added to the runtime container's environment")
-    volumes: tuple[dict[str, Any], ...] = ()
-    volume_mounts: tuple[dict[str, Any], ...] = Field((), description="mounted into the runtime container")
+    env: tuple[EnvVar, ...] = Field((), description="added to the runtime container's environment")
+    volumes: tuple[Volume, ...] = ()
+    volume_mounts: tuple[VolumeMount, ...] = Field((), description="mounted into the runtime container")
 
 
 # -- the spec -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -307,9 +307,32 @@ SUBCOMMANDS: list[Subcommand] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description="Speculative-decoding LLM serving.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+class ArgumentsRefused(ValueError):
+    """What a ``strict`` parser refuses, as argparse would have printed it before exiting."""
+
+
+class _StrictParser(argparse.ArgumentParser):
+    """Flags only as written in full, and a refusal raised instead of printed with an exit: for
+    checking arguments that another process will parse (the operator's ``spec.extraArgs``). An
+    abbreviation unambiguous today is ambiguous once a longer flag is added, and there the two
+    processes could disagree on what it means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentsRefused(message)
+
+    def print_help(self, file: Any = None) -> NoReturn:
+        raise ArgumentsRefused("--help prints help instead of running")
+
+
+def build_parser(*, strict: bool = False) -> argparse.ArgumentParser:
+    """The ``specdecode`` parser; ``strict`` (every subcommand's too): no abbreviations, and
+    ``ArgumentsRefused`` instead of an exit. Users' command lines keep argparse's defaults."""
+    parser_class = _StrictParser if strict else argparse.ArgumentParser
+    parser = parser_class(prog="specdecode", description="Speculative-decoding LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # subparsers: parser_class too
     for command in SUBCOMMANDS:
         command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(command_parser)

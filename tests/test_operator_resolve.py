@@ -181,6 +181,89 @@ def test_refusals_say_what_to_change(spec, expected):
     assert expected in refusal(cr(**spec))
 
 
+UNKNOWN = "unknown field; remove it (field names are camelCase)"
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    # a GPU count in resources, which render would silently replace with gpusPerPod's
+    ({"resources": {"limits": {"nvidia.com/gpu": 2}}},
+     "spec.resources.limits[nvidia.com/gpu]: set from spec.resources.gpusPerPod"),
+    ({"resources": {"gpusPerPod": 0, "requests": {"nvidia.com/gpu": "1"}}},
+     "spec.resources.requests[nvidia.com/gpu]: set from spec.resources.gpusPerPod"),
+    ({"resources": {"gpuResourceName": "amd.com/gpu", "limits": {"amd.com/gpu": 1}}},
+     "spec.resources.limits[amd.com/gpu]: set from spec.resources.gpusPerPod (GPUs per pod; default "
+     "parallelism.tensor, 0 = CPU), which would replace this value; remove it and set gpusPerPod"),
+    # extraArgs as the runtime's own parser reads them, without abbreviations
+    ({"extraArgs": ["--tensor-parallel", "2"]},
+     "spec.extraArgs[0]: --tensor-parallel is no `specdecode serve` flag (abbreviations are not accepted); "
+     "--tensor-parallel-size is set from spec.parallelism.tensor; remove it"),
+    ({"extraArgs": ["--no-overlap", "--max-num-seq=8"]},
+     "spec.extraArgs[1]: --max-num-seq is no `specdecode serve` flag (abbreviations are not accepted); write the "
+     "flag in full as `specdecode serve --help` lists it, or remove it"),
+    ({"extraArgs": ["--max-num-seqs", "many"]},
+     "spec.extraArgs: `specdecode serve` refuses them: argument --max-num-seqs: invalid int value: 'many'"),
+    ({"extraArgs": ["--no-prefix-caching", "true"]}, "spec.extraArgs[1]: 'true' is a value that no flag takes"),
+    ({"extraArgs": ["--help"]}, "spec.extraArgs: `specdecode serve` refuses them: --help prints help"),
+    # quantities and the pod fields passed through, against Kubernetes' own schemas
+    ({"resources": {"limits": {"memory": "4GB"}}},
+     "spec.resources.limits.memory: '4GB' is not a Kubernetes quantity: a number with an optional suffix, e.g. 16Gi"),
+    ({"resources": {"shmSize": "lots"}}, "spec.resources.shmSize: 'lots' is not a Kubernetes quantity"),
+    ({"pod": {"tolerations": [{"key": "gpu", "operator": "Exists", "tolerationSecond": 30}]}},
+     f"spec.pod.tolerations[0].tolerationSecond: {UNKNOWN}"),
+    ({"pod": {"tolerations": [{"key": "gpu", "tolerationSeconds": "soon"}]}},
+     'spec.pod.tolerations[0].tolerationSeconds: must be integer, not "soon"'),
+    ({"pod": {"env": [{"name": "HF_HUB_OFFLINE", "value": 1}]}}, "spec.pod.env[0].value: must be string, not 1"),
+    ({"pod": {"env": [{"value": "x"}]}}, "spec.pod.env[0].name: required"),
+    ({"pod": {"volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "10GB"}}]}},
+     "spec.pod.volumes[0].emptyDir.sizeLimit: '10GB' is not a Kubernetes quantity"),
+    ({"pod": {"volumes": [{"name": "cfg", "configMap": {"name": "c", "items": [{"path": "a"}]}}]}},
+     "spec.pod.volumes[0].configMap.items[0].key: required"),
+    ({"pod": {"volumeMounts": [{"name": "scratch", "mountpath": "/scratch"}]}},
+     f"spec.pod.volumeMounts[0].mountpath: {UNKNOWN}"),
+    ({"pod": {"affinity": {"nodeAffinty": {}}}}, f"spec.pod.affinity.nodeAffinty: {UNKNOWN}"),
+    # unknown fields at any depth, and at the top level
+    ({"rollout": {"anlysis": {"interval": "1m"}}}, f"spec.rollout.anlysis: {UNKNOWN}"),
+    ({"colour": "blue"}, f"spec.colour: {UNKNOWN}"),
+])
+def test_what_a_user_would_expect_refused_is_refused_naming_the_field(spec, expected):
+    assert expected in refusal(cr(**spec))
+
+
+def test_every_part_a_pod_field_gets_wrong_is_named():
+    message = refusal(cr(pod={"volumes": [{"emptyDir": {"medium": 3, "sizeLimit": "1GB"}}]}))
+    assert "spec.pod.volumes[0].name: required" in message
+    assert "spec.pod.volumes[0].emptyDir.medium: must be string, not 3" in message
+    assert "spec.pod.volumes[0].emptyDir.sizeLimit: '1GB' is not a Kubernetes quantity" in message
+
+
+def test_pod_fields_kubernetes_accepts_are_allowed_as_written():
+    pod = {
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "spot", "operator": "Equal", "value": "true", "tolerationSeconds": 60}],
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        "volumes": [{"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+                    {"name": "cfg", "configMap": {"name": "c", "items": [{"key": "a", "path": "a"}]}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch", "readOnly": False}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}},
+    }
+    answer = resolve(cr(pod=pod, resources={"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 4_000_000_000}},
+                        extraArgs=["--max-num-seqs", "8", "--kv-cache-blocks=64", "--no-overlap"]))
+    assert answer.allowed, answer.message
+    assert answer.resolved.spec.pod.volumes[0] == pod["volumes"][0]
+
+
+def test_a_pod_label_the_operator_sets_is_a_warning_naming_it():
+    answer = resolve(cr(pod={"labels": {"team": "ml", names.LABEL_INSTANCE: "mine", names.LABEL_REVISION: "r1"}}))
+    assert answer.allowed
+    assert answer.warnings == (
+        f"spec.pod.labels[{names.LABEL_INSTANCE}]: every runtime pod gets this label set to 'demo' (the operator "
+        "finds and ranks its pods by it), so 'mine' is replaced; use another key",
+        f"spec.pod.labels[{names.LABEL_REVISION}]: every runtime pod gets this label set to its revision (the operator "
+        "finds and ranks its pods by it), so 'r1' is replaced; use another key",
+    )
+
+
 def test_identity_and_name_rules():
     body = cr()
     body["kind"] = "Deployment"

@@ -204,3 +204,21 @@ def test_a_stored_invalid_resource_still_takes_metadata_updates_and_its_deletion
     released = copy.deepcopy(deleting)
     released["metadata"]["finalizers"] = []
     assert webhook.review("UPDATE", released, deleting)["allowed"] is True
+
+
+def test_what_admission_refuses_in_pod_fields_resources_and_extra_args(webhook: Webhook) -> None:
+    body = example("pods")
+    body["spec"]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    body["spec"]["extraArgs"] = ["--tensor-parallel", "2"]
+    body["spec"]["pod"] = {"labels": {names.LABEL_COMPONENT: "llm"}}
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is False
+    message = answer["status"]["message"]
+    assert "spec.resources.limits[nvidia.com/gpu]: set from spec.resources.gpusPerPod" in message
+    assert "spec.extraArgs[0]: --tensor-parallel is no `specdecode serve` flag" in message
+    assert answer["warnings"] == [f"spec.pod.labels[{names.LABEL_COMPONENT}]: every runtime pod gets this label set "
+                                  "to 'runtime' (the operator finds and ranks its pods by it), so 'llm' is replaced; "
+                                  "use another key"]
+    body["spec"]["pod"]["tolerations"] = [{"key": "gpu", "operator": "Exists", "efect": "NoSchedule"}]
+    answer = webhook.review("CREATE", body)
+    assert "spec.pod.tolerations[0].efect: unknown field" in answer["status"]["message"]

@@ -1,0 +1,105 @@
+"""Kubernetes' own schemas for what a SpecDecodeDeployment passes through to its pods.
+
+``spec.pod`` entries (tolerations, env, volumes, volumeMounts, affinity) go into every pod as
+written, so admission checks each against its Kubernetes definition instead of letting the API
+server refuse the child later: kubernetes-validate's strict JSON schemas (generated from the API
+server's OpenAPI document; unknown fields are refused), of the newest Kubernetes it bundles, so
+that no cluster's field is refused. A field the cluster is too old for is still refused by its
+API server when the operator writes the child.
+
+OpenAPI types a quantity as a string and states its grammar only in prose; here the grammar is
+added (``QUANTITY_PATTERN``, the one controller-gen writes into CRDs), so a volume's
+``emptyDir.sizeLimit`` is checked as ``spec.resources.limits`` is.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import jsonschema
+import referencing
+from kubernetes_validate import utils as kubernetes_validate
+from pydantic import AfterValidator, Field
+
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
+                    r"|(\.[0-9]+))))?$")
+QUANTITY_HINT = "is not a Kubernetes quantity: a number with an optional suffix, e.g. 16Gi, 500m or 2"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+_QUANTITY_DEFINITION = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+CORE = "io.k8s.api.core.v1."  # the definitions spec.pod passes through: Toleration, EnvVar, Volume, …
+
+UNKNOWN_FIELD = "unknown field; remove it (field names are camelCase)"
+Path = tuple[str | int, ...]
+
+
+class SchemaViolations(ValueError):
+    """What Kubernetes' schema refuses in one value: (path inside it, what to change) pairs."""
+
+    def __init__(self, kind: str, violations: list[tuple[Path, str]]) -> None:
+        super().__init__(f"not a valid Kubernetes {kind}: " + "; ".join(message for _, message in violations))
+        self.violations = violations
+
+
+def check_quantity(value: int | str) -> int | str:
+    """``value`` if it is a Kubernetes quantity (a pydantic after-validator)."""
+    if isinstance(value, str) and not _QUANTITY.match(value):
+        raise ValueError(f"'{value}' {QUANTITY_HINT}")
+    return value
+
+
+def kubernetes_object(kind: str) -> Any:
+    """A pydantic field type: a mapping passed through as written, checked against the schema of
+    Kubernetes' core/v1 ``kind`` (``SchemaViolations`` when it does not fit)."""
+
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        violations = schema_violations(CORE + kind, value)
+        if violations:
+            raise SchemaViolations(kind, violations)
+        return value
+
+    description = f"a Kubernetes {kind} (core/v1), checked against its schema"
+    return Annotated[dict[str, Any], AfterValidator(check), Field(description=description)]
+
+
+def schema_violations(definition: str, value: Any) -> list[tuple[Path, str]]:
+    """(path inside ``value``, message) for each part the schema of ``definition`` refuses."""
+    errors = sorted(_validator(definition).iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
+    return list(dict.fromkeys(violation for error in errors for violation in _violations(error)))
+
+
+def _violations(error: jsonschema.ValidationError) -> Iterable[tuple[Path, str]]:
+    path, schema, instance = tuple(error.absolute_path), error.schema, error.instance
+    if error.validator == "additionalProperties":
+        for field in sorted(set(instance) - set(schema.get("properties", {}))):
+            yield (*path, field), UNKNOWN_FIELD
+    elif error.validator == "required":  # one error per missing field, each told all of them
+        for field in error.validator_value:
+            if field not in instance:
+                yield (*path, field), "required"
+    elif error.validator == "type":
+        wanted = [t for t in schema["type"] if t != "null"] if isinstance(schema["type"], list) else [schema["type"]]
+        yield path, f"must be {' or '.join(wanted)}, not {json.dumps(instance)}"
+    elif error.validator == "pattern" and schema.get("pattern") == QUANTITY_PATTERN:
+        yield path, f"'{instance}' {QUANTITY_HINT}"
+    else:
+        yield path, error.message
+
+
+@functools.cache
+def _definitions() -> dict[str, Any]:
+    """The newest bundled ``_definitions.json`` (strict), with the quantity grammar added."""
+    version = kubernetes_validate.latest_version()
+    document = kubernetes_validate.schema_contents(
+        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
+    document["$defs"][_QUANTITY_DEFINITION] = {"type": ["string", "number", "null"], "pattern": QUANTITY_PATTERN}
+    return document
+
+
+@functools.cache
+def _validator(definition: str) -> jsonschema.Draft202012Validator:
+    document = _definitions()
+    registry = referencing.Resource.from_contents(document) @ referencing.Registry()
+    return jsonschema.Draft202012Validator({"$ref": f"{document['$id']}#/$defs/{definition}"}, registry=registry)
