@@ -9,7 +9,9 @@ requires: ``$ref`` inlined, ``Optional`` unions collapsed, ``int | str`` as
 ``x-kubernetes-int-or-string``, free-form objects (the pass-through pod fields) as
 ``x-kubernetes-preserve-unknown-fields``, draft-2020 exclusive bounds in their OpenAPI 3.0
 form, titles dropped. Anything else raises ``UnsupportedSchema``, so a new field of a kind
-Kubernetes rejects fails here, not at ``kubectl apply``.
+Kubernetes rejects fails here, not at ``kubectl apply``. Outside ``status`` every object keeps
+unknown fields (``x-kubernetes-preserve-unknown-fields``) instead of having them pruned: the
+validating webhook refuses them, for every client alike.
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def structural(node: Schema, defs: dict[str, Schema], path: str) -> Schema:
                 out[key] = structural(value, defs, f"{path}{{}}")
             elif value is True and "properties" not in node:
                 out["x-kubernetes-preserve-unknown-fields"] = True  # a pass-through object
-            # additionalProperties: false (extra="forbid") is what pruning does anyway
+            # additionalProperties: false (extra="forbid"): pruned, or kept for admission (keeping_unknown_fields)
         elif key in _KEPT or key.startswith("x-kubernetes-"):
             out[key] = value
         else:
@@ -153,8 +155,24 @@ PRINTER_COLUMNS = [
 ]
 
 
+def keeping_unknown_fields(node: Schema) -> Schema:
+    """``node`` with every object that lists its properties keeping the others too. The API server
+    then stores an unknown field, where it would prune it for every client that does not ask for
+    strict field validation (Helm, Argo CD, Flux), and admission refuses it, naming its path."""
+    out = dict(node)
+    if "properties" in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+        out["properties"] = {name: keeping_unknown_fields(sub) for name, sub in out["properties"].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = keeping_unknown_fields(out[key])
+    return dict(sorted(out.items(), key=lambda kv: _ORDER.get(kv[0], len(_ORDER))))
+
+
 def openapi_schema() -> Schema:
-    return {
+    """The resource keeps unknown fields for admission to refuse, but in ``status`` (the operator's,
+    pruned as usual)."""
+    schema = keeping_unknown_fields({
         "type": "object",
         "description": "Serve a model with speculative decoding; rollouts are gated on measured acceptance.",
         "required": ["spec"],
@@ -163,9 +181,10 @@ def openapi_schema() -> Schema:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": model_schema(SpecDecodeDeploymentSpec),
-            "status": model_schema(SpecDecodeDeploymentStatus),
         },
-    }
+    })
+    schema["properties"]["status"] = model_schema(SpecDecodeDeploymentStatus)
+    return schema
 
 
 def build_crd() -> dict[str, Any]:

@@ -65,6 +65,8 @@ RENDERED_FLAGS = {
     "--tensor-parallel-size": "spec.parallelism.tensor",
     "--pipeline-parallel-size": "spec.parallelism.pipeline",
 }
+TOP_LEVEL_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+_SPEC_FIELDS = {field.alias for field in SpecDecodeDeploymentSpec.model_fields.values()}
 _SOURCE_URI = re.compile(SOURCE_URI_PATTERN)
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PERCENT = re.compile(r"^[0-9]+%$")
@@ -213,6 +215,8 @@ def _identity_errors(body: Mapping[str, Any], name: str) -> list[str]:
     if body.get("apiVersion") != names.API_VERSION or body.get("kind") != names.KIND:
         errors.append(f"apiVersion/kind: must be {names.API_VERSION} {names.KIND}, not "
                       f"{body.get('apiVersion')} {body.get('kind')}")
+    errors += [f"{key}: unknown field at the top level; move it under spec" if key in _SPEC_FIELDS
+               else f"{key}: {UNKNOWN_FIELD}" for key in sorted(set(body) - set(TOP_LEVEL_FIELDS))]
     if not _NAME.match(name):
         errors.append("metadata.name: must be lowercase letters, digits and '-', starting with a letter "
                       "(it names the Service)")

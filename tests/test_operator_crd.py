@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from specdecode.operator import crd, names
+from specdecode.operator.resolve import TOP_LEVEL_FIELDS
 from specdecode.operator.spec import SpecDecodeDeploymentSpec
 from specdecode.runtime.config import SpeculativeConfig
 
@@ -92,11 +93,22 @@ def test_schema_is_structural():
         assert not ("properties" in node and "additionalProperties" in node), path
         typed = "type" in node or node.get("x-kubernetes-int-or-string")
         assert typed, f"{path}: no type"
-        if node.get("x-kubernetes-preserve-unknown-fields"):
+        if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
             # free-form only where pod fields pass through (and the resource's own metadata)
             assert path.startswith(".spec.pod.") or path == ".metadata", path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_unknown_fields_are_kept_for_admission_everywhere_but_status():
+    """Pruned, a typo'd field would silently become its default for every client that does not ask
+    for strict field validation (Helm, Argo CD, Flux); kept, the webhook refuses it."""
+    schema = served_schema()
+    objects = [(path, node) for path, node in walk(schema) if "properties" in node]
+    assert [path for path, node in objects if not path.startswith(".status")] == \
+        [path for path, node in objects if node.get("x-kubernetes-preserve-unknown-fields")]
+    assert "" in dict(objects) and ".spec.rollout.analysis" in dict(objects)  # the root and nested objects
+    assert list(schema["properties"]) == list(TOP_LEVEL_FIELDS)  # what admission knows at the top level
 
 
 def test_every_default_validates_against_its_own_schema():

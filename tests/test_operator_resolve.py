@@ -253,6 +253,14 @@ def test_pod_fields_kubernetes_accepts_are_allowed_as_written():
     assert answer.resolved.spec.pod.volumes[0] == pod["volumes"][0]
 
 
+def test_a_spec_field_written_at_the_top_level_is_refused():
+    body = cr()
+    body["replicas"], body["colour"] = 3, "blue"
+    message = refusal(body)
+    assert "replicas: unknown field at the top level; move it under spec" in message
+    assert f"colour: {UNKNOWN}" in message
+
+
 def test_a_pod_label_the_operator_sets_is_a_warning_naming_it():
     answer = resolve(cr(pod={"labels": {"team": "ml", names.LABEL_INSTANCE: "mine", names.LABEL_REVISION: "r1"}}))
     assert answer.allowed

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_emulator import ApiServer, serve
+import jsonschema
+from kube_emulator import ApiServer, serve, strict_schema
 from local_process import free_port
 from operator_harness import running_operator, wait_for, write_kubeconfig
 
@@ -204,6 +205,22 @@ def test_a_stored_invalid_resource_still_takes_metadata_updates_and_its_deletion
     released = copy.deepcopy(deleting)
     released["metadata"]["finalizers"] = []
     assert webhook.review("UPDATE", released, deleting)["allowed"] is True
+
+
+def test_a_typoed_field_reaches_the_webhook_and_is_refused_for_every_client(webhook: Webhook) -> None:
+    """The CRD keeps unknown fields, so the API server neither prunes a typo (what Helm, Argo CD and
+    Flux would get) nor refuses it with strict field validation (kubectl): both reach admission,
+    which refuses it with its path."""
+    body = example("typo")
+    body["spec"]["rollout"]["analysis"]["minAcceptanceRat"] = 0.5
+    body["spec"]["replicaz"] = 3
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator(strict_schema(schema)).validate(body)  # as a strict API server validates it
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is False
+    message = answer["status"]["message"]
+    assert "spec.rollout.analysis.minAcceptanceRat: unknown field; remove it" in message
+    assert "spec.replicaz: unknown field; remove it" in message
 
 
 def test_what_admission_refuses_in_pod_fields_resources_and_extra_args(webhook: Webhook) -> None:
