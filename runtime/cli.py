@@ -55,14 +55,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV pool budget in GiB when --kv-cache-blocks is unset")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="turn overlap scheduling off: schedule each step only after the previous one's verdicts")
+    add_overlap_argument(g)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="a fuller waiting queue answers 503")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method":"ngram","num_speculative_tokens":4,"verify":"rejection"}\' '
                         "(methods: none, ngram, suffix, draft, mtp; verify: greedy, target_match, rejection, "
                         "topp — topp is lossy)")
+
+
+def add_overlap_argument(parser) -> None:
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="overlap scheduling: build the next step while one runs (default: on with pipeline "
+                             "stages, off in one process, where it measured slower on CPU); --no-overlap turns it off")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +120,7 @@ def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
         cache["enable_prefix_caching"] = False
     scheduler = _set(max_model_len=get("max_model_len"), max_num_seqs=get("max_num_seqs"),
                      max_num_batched_tokens=get("max_num_batched_tokens"),
-                     max_waiting_requests=get("max_waiting_requests"))
-    if get("no_overlap"):
-        scheduler["overlap"] = False
+                     max_waiting_requests=get("max_waiting_requests"), overlap=get("overlap"))
     spec_json = get("speculative_config")
     speculative = SpeculativeConfig.model_validate_json(spec_json) if spec_json else SpeculativeConfig()
     return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler),
@@ -180,7 +183,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--no-overlap", action="store_true", help="turn overlap scheduling off")
+    add_overlap_argument(parser)
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -200,9 +200,10 @@ class SchedulerConfig(Frozen):
     max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget (chunked prefill)")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's context length")
     max_waiting_requests: int = Field(256, ge=1, description="a fuller queue answers 503")
-    overlap: bool = Field(
-        True, description="overlap scheduling: while a step runs, schedule the next one and build its prefill inputs "
-        "(decode rows reserved for K+1 tokens each, filled once the step's verdicts arrive)"
+    overlap: bool | None = Field(
+        None, description="overlap scheduling: while a step runs, schedule the next one and build its prompt chunks' "
+        "inputs (decode rows follow the step's verdicts); None = on with pipeline stages, where it measured no slower, "
+        "off in one process, where it measured 7-30% slower on a 2-core CPU (docs/benchmarks.md)"
     )
 
 

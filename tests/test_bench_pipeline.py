@@ -19,20 +19,19 @@ from specdecode.runtime.config import MTP_PIPELINE_GATE
 def test_pipeline_and_overlap_variants_follow_their_base():
     systems = {s.name: s for s in build_systems(["none", "ngram"], 3, None, [1, 4], with_peer=False,
                                                 pipeline_parallel_size=2, compare_overlap=True)}
-    assert list(systems) == [
-        NOSPEC, f"{NOSPEC}-no-overlap", f"{NOSPEC}-pp2", f"{NOSPEC}-pp2-no-overlap",
-        "ours-ngram", "ours-ngram-no-overlap", "ours-ngram+lc", "ours-ngram+lc-no-overlap",
+    assert list(systems) == [  # overlap flipped from the default: off in one process, on with stages
+        NOSPEC, f"{NOSPEC}-overlap", f"{NOSPEC}-pp2", f"{NOSPEC}-pp2-no-overlap",
+        "ours-ngram", "ours-ngram-overlap", "ours-ngram+lc", "ours-ngram+lc-overlap",
         "ours-ngram-pp2", "ours-ngram-pp2-no-overlap",
     ]
     layout = {name: (s.pipeline_parallel_size, s.overlap) for name, s in systems.items()}
-    assert layout[NOSPEC] == layout["ours-ngram+lc"] == (1, True)
-    assert layout[f"{NOSPEC}-pp2"] == layout["ours-ngram-pp2"] == (2, True)
-    assert layout["ours-ngram-pp2-no-overlap"] == (2, False) and layout["ours-ngram+lc-no-overlap"] == (1, False)
+    assert layout[NOSPEC] == layout["ours-ngram+lc"] == (1, None) and layout[f"{NOSPEC}-pp2"] == (2, None)
+    assert layout["ours-ngram-pp2-no-overlap"] == (2, False) and layout["ours-ngram+lc-overlap"] == (1, True)
     pp = systems["ours-ngram-pp2"]
     assert pp.speculative == systems["ours-ngram"].speculative and pp.concurrency == (1, 4)
     assert pp.self_reference == "ours-ngram-pp2" and pp.peer == "transformers-prompt-lookup"
-    assert systems["ours-ngram+lc-no-overlap"].self_reference == "ours-ngram-no-overlap"
-    assert systems["ours-ngram+lc-no-overlap"].concurrency == (4,)
+    assert systems["ours-ngram+lc-overlap"].self_reference == "ours-ngram-overlap"
+    assert systems["ours-ngram+lc-overlap"].concurrency == (4,)
 
     plain = [s.name for s in build_systems(["ngram"], 3, None, [1])]
     assert plain == [NOSPEC, "ours-ngram", "transformers-prompt-lookup", PEER_PLAIN]  # the defaults add nothing
@@ -102,7 +101,7 @@ def test_bench_pipeline_and_overlap_end_to_end_on_tiny_model(tiny_hf_model_dir, 
     data = json.loads(next(out_dir.glob("bench-*.json")).read_text())
     assert data["correctness"]["ok"]
     systems = data["systems"]
-    assert list(systems) == [NOSPEC, f"{NOSPEC}-no-overlap", f"{NOSPEC}-pp2", f"{NOSPEC}-pp2-no-overlap"]
+    assert list(systems) == [NOSPEC, f"{NOSPEC}-overlap", f"{NOSPEC}-pp2", f"{NOSPEC}-pp2-no-overlap"]
     (reference,) = [r["outputs"] for r in systems[NOSPEC]["runs"] if r["concurrency"] == 1 and not r["warmup"]]
     for name, system in systems.items():
         timed = [r for r in system["runs"] if not r["warmup"]]

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P > 1: also run ours-nospec and each ours-METHOD as P pipeline stages (<name>-pp<P>), "
                              "each rank with cores ÷ P threads; speedups stay vs ours-nospec (P = 1)")
     parser.add_argument("--compare-overlap", action="store_true",
-                        help="also run each of our systems with overlap scheduling off (<name>-no-overlap)")
+                        help="also run each of our systems with overlap scheduling flipped from the runtime's default "
+                             "(<name>-overlap in one process, <name>-no-overlap with pipeline stages)")
     parser.add_argument("--load-control", type=_load_control, default=LOAD_CONTROL_ON,
                         help="the +lc systems' load_control JSON, e.g. '{\"goodput\": true, \"batch_size_table\": "
                              "[{\"max_batch_size\": 8, \"num_speculative_tokens\": 4}]}' [%s]"
@@ -254,7 +255,8 @@ def _write_outputs(
             "ours": "in-process LLMEngine, closed loop (c requests in flight), greedy, ignore_eos, prefix caching off",
             "ours_layouts": "<name>-pp<P>: rank 0 of P pipeline stages (one process each, cores ÷ P threads each, on "
                             "this one machine), its group started once per round and its engine reused across runs; "
-                            "<name>-no-overlap: overlap scheduling off; pipeline: per engine step, the verdict "
+                            "<name>-overlap / -no-overlap: overlap scheduling flipped from the default for the "
+                            "layout (off in one process, on with stages); pipeline: per engine step, the verdict "
                             "message's bytes vs its budget, rank 0's wait for the verdicts (the bubble) and its own "
                             "stage forward",
             "transformers": "generate(): c=1 one prompt at a time; c>1 one left-padded batch per group of c; "

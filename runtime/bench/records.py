@@ -36,7 +36,7 @@ class Job:
     assistant_model: str | None = None  # transformers-assisted: the draft model
     prompt_token_ids: list[list[int]] | None = None  # ours tokenizes (and truncates); peers reuse its ids
     pipeline_parallel_size: int = 1  # ours: pipeline stages
-    overlap: bool = True  # ours: overlap scheduling
+    overlap: bool | None = None  # ours: overlap scheduling (None: the runtime's default for the layout)
     # other systems' outputs at c=1, by system: where one differs from this system's, check ties
     tie_check_outputs: dict[str, list[list[int]]] | None = None
 

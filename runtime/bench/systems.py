@@ -17,10 +17,11 @@ For ``--method M…`` the systems are, in the order they run (one subprocess eac
 Layouts (our engine only): with ``--pipeline-parallel-size P`` > 1, ``ours-nospec`` and each
 ``ours-M`` (not the ``+lc`` ones) are followed by ``<name>-pp<P>``: the same engine config as a
 group of P pipeline stages. With ``--compare-overlap`` every one of our systems is followed by
-``<name>-no-overlap`` (overlap scheduling off; the others keep it on, the default). A variant
-keeps its base's concurrencies and transformers peer, and its outputs at c > 1 must equal its own
-variant of the base's reference (``ours-M+lc-no-overlap`` → ``ours-M-no-overlap``). Speedups stay
-against ``ours-nospec`` (P = 1, overlap on).
+the same with overlap scheduling flipped from the runtime's default for its layout (off in one
+process, on with pipeline stages): ``<name>-overlap`` at P = 1, ``<name>-no-overlap`` with stages. A
+variant keeps its base's concurrencies and transformers peer, and its outputs at c > 1 must equal
+its own variant of the base's reference (``ours-M+lc-overlap`` → ``ours-M-overlap``). Speedups stay
+against ``ours-nospec`` (P = 1, the default: overlap off).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class System:
     peer: str | None = None  # ours: the transformers system doing the same thing (speedup "vs transformers")
     self_reference: str | None = None  # ours: at c > 1 outputs must equal this system's c = 1 outputs
     pipeline_parallel_size: int = 1  # ours: pipeline stages (> 1: a process group, ``ours.py``)
-    overlap: bool = True  # ours: SchedulerConfig.overlap
+    overlap: bool | None = None  # ours: SchedulerConfig.overlap (None: the runtime's default for the layout)
 
 
 def build_systems(
@@ -88,7 +89,7 @@ def build_systems(
                                    self_reference=name))
             ours.extend(_pipelined(system, pipeline_parallel_size))
     if compare_overlap:
-        ours = [v for s in ours for v in (s, _variant(s, "-no-overlap", overlap=False))]
+        ours = [v for s in ours for v in (s, _overlap_flipped(s))]
     if not with_peer:
         return ours
     single = tuple(c for c in conc if c == 1)
@@ -106,6 +107,12 @@ def _pipelined(system: System, pipeline_parallel_size: int) -> list[System]:
         spec = {**spec, "gates": sorted({*spec["gates"], MTP_PIPELINE_GATE})}
     return [_variant(system, f"-pp{pipeline_parallel_size}", pipeline_parallel_size=pipeline_parallel_size,
                      speculative=spec)]
+
+
+def _overlap_flipped(system: System) -> System:
+    """``system`` with overlap scheduling the other way from the runtime's default for its layout."""
+    overlap = system.pipeline_parallel_size == 1  # the default is on with stages only
+    return _variant(system, "-overlap" if overlap else "-no-overlap", overlap=overlap)
 
 
 def _variant(system: System, suffix: str, **changes) -> System:

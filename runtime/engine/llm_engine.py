@@ -144,7 +144,8 @@ class LLMEngine:
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
-        self.overlap = cfg.scheduler.overlap
+        overlap = cfg.scheduler.overlap
+        self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
         self.token_num_one_step = 1 + (spec.num_speculative_tokens if self.proposer is not None else 0)
