@@ -11,15 +11,23 @@ adds what a real API server does that kopf, the operator and these tests rely on
 - discovery of the built-in resources used here and of installed CRDs (with their subresources);
 - custom resources validated against the CRD's ``openAPIV3Schema`` (jsonschema): a violation or an
   unknown field is a 422 ``Invalid`` (a real server with ``fieldValidation=Strict``; by default it
-  would prune unknown fields silently);
-- Deployments and StatefulSets are ready as soon as they are written (a stand-in for their
-  controllers and the kubelet: no pods are made; tests create the pods they need);
-- ``labelSelector`` on lists (equality, inequality, existence), ``GET /api/v1/namespaces[/name]``
-  and ``GET /apis/`` (kmock cannot route them), 409 on a stale ``metadata.resourceVersion`` in a
-  patch.
+  would prune unknown fields silently); the built-in kinds the operator writes (``VALIDATED``)
+  against Kubernetes' own schema (kubernetes_validate, ``K8S_VERSION``): a required field missing
+  (an env entry without a name) or an enum or type broken is a 422 too, but the server's further
+  rules (quantities, name formats, cross-field checks) are not;
+- Deployments, StatefulSets and LeaderWorkerSets are ready as soon as they are written (a stand-in
+  for their controllers and the kubelet: no pods are made; tests create the pods they need);
+- ``labelSelector`` on lists and watches (equality, inequality, existence),
+  ``GET /api/v1/namespaces[/name]`` and ``GET /apis/`` (kmock cannot route them), 409 on a stale
+  ``metadata.resourceVersion`` in a patch;
+- ``metadata.managedFields`` and server-side apply (``application/apply-patch+yaml`` with
+  ``fieldManager`` and ``force``; it creates what does not exist), as kube_fields.py models them:
+  every write records who owns which field (a request without ``fieldManager`` counts under its
+  User-Agent's product, as a real server names it), an apply removes what its manager applied
+  before and applies no more, and an apply that changes nothing writes nothing.
 
-Patches are JSON merge patches (kmock applies strategic-merge patches as merge patches too) or
-JSON patches (kopf's finalizers, with a failed ``test`` answered 422 as kopf expects);
+Other patches are JSON merge patches (kmock applies strategic-merge patches as merge patches too)
+or JSON patches (kopf's finalizers, with a failed ``test`` answered 422 as kopf expects);
 ``serve`` runs the server over real HTTP in its own thread and event loop, so clients in any
 thread (kopf's, the ``kubernetes`` client's) reach it and shutting it down does not stall
 (operator_harness.py runs the operator against it). What it still lacks is in tests/README.md.
@@ -43,6 +51,9 @@ import jsonpatch
 import jsonpointer
 import jsonschema
 import kmock
+import kube_fields
+import kubernetes_validate
+import yaml
 
 Obj = dict[str, Any]
 
@@ -58,17 +69,26 @@ BUILTINS: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, ("status",)),
 }
 VERBS = ("create", "delete", "get", "list", "patch", "watch")
-# Stand-in for the workload controllers and the kubelet: these are ready as soon as written.
-INSTANTLY_READY = {kmock.resource("apps/v1/deployments"), kmock.resource("apps/v1/statefulsets")}
+# Stand-in for the workload controllers and the kubelet: these are ready as soon as written
+# (LeaderWorkerSets once a test installs their CRD).
+INSTANTLY_READY = {kmock.resource(r) for r in ("apps/v1/deployments", "apps/v1/statefulsets",
+                                               "leaderworkerset.x-k8s.io/v1/leaderworkersets")}
 CRDS = kmock.resource("apiextensions.k8s.io/v1/customresourcedefinitions")
 _NAMESPACE_PATH = re.compile(r"^/api/v1/namespaces/?(?P<name>[^/]+)?$")
+APPLY_PATCH = "application/apply-patch+yaml"
+# Built-in kinds checked against Kubernetes' schema on every write: what the operator writes.
+VALIDATED = {kmock.resource(r) for r in ("apps/v1/deployments", "apps/v1/statefulsets", "v1/services",
+                                         "policy/v1/poddisruptionbudgets")}
+K8S_VERSION = "1.30"
 _SELECTOR_TERM = re.compile(r"^(?P<neg>!)?(?P<key>[A-Za-z0-9._/-]+)(?:(?P<op>==|!=|=)(?P<value>[A-Za-z0-9._-]*))?$")
 
 
-def invalid(kind: str, name: str, causes: list[str]) -> kmock.KubernetesError:
-    message = f'{kind} "{name}" is invalid: ' + "; ".join(causes)
-    return kmock.KubernetesError(status=422, reason="Invalid", message=message,
-                                 details={"name": name, "kind": kind, "causes": [{"message": c} for c in causes]})
+def invalid(res: kmock.resource, kind: str, name: str, causes: list[str]) -> kmock.KubernetesError:
+    """A 422 as a real server words it: ``Deployment.apps "x" is invalid: …``."""
+    qualified = f"{kind}.{res.group}" if res.group else kind
+    message = f'{qualified} "{name}" is invalid: ' + "; ".join(causes)
+    return kmock.KubernetesError(status=422, reason="Invalid", message=message, details={
+        "name": name, "group": res.group, "kind": kind, "causes": [{"message": c} for c in causes]})
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -84,16 +104,43 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def strict_schema(node: Any) -> Any:
-    """An OpenAPI v3 structural schema as JSON schema that also refuses unknown fields."""
+def merge_diff(before: Any, after: Any) -> Any:
+    """The JSON merge patch that turns ``before`` into ``after`` (lists are replaced whole)."""
+    if not isinstance(before, Mapping) or not isinstance(after, Mapping):
+        return copy.deepcopy(after)
+    patch: Obj = {key: None for key in before if key not in after}
+    for key, value in after.items():
+        if key not in before:
+            patch[key] = copy.deepcopy(value)
+        elif before[key] != value:
+            patch[key] = merge_diff(before[key], value)
+    return patch
+
+
+def strict_schema(root: Obj) -> Obj:
+    """A CRD's OpenAPI v3 structural schema as JSON schema that also refuses unknown fields
+    (``apiVersion``, ``kind`` and ``metadata`` are always allowed at the root)."""
+    implicit = {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"}}
+    if "properties" in root:
+        root = {**root, "properties": {**implicit, **root["properties"]}}
+    return _strict(root)
+
+
+def _strict(node: Any) -> Any:
     if isinstance(node, list):
-        return [strict_schema(n) for n in node]
+        return [_strict(n) for n in node]
     if not isinstance(node, Mapping):
         return node
-    out = {k: strict_schema(v) for k, v in node.items()}
+    out = {k: _strict(v) for k, v in node.items()}
     if "properties" in out and not node.get("x-kubernetes-preserve-unknown-fields"):
         out.setdefault("additionalProperties", False)
     return out
+
+
+def field_manager(request: kmock.Request) -> str:
+    """Who writes: ``fieldManager``, else the User-Agent's product (``OpenAPI-Generator/37.0.2/python``
+    → ``OpenAPI-Generator``), as a real API server names the manager of a request without one."""
+    return request.params.get("fieldManager") or request.headers.get("User-Agent", "").split("/")[0]
 
 
 def parse_selector(text: str) -> list[tuple[str, str, str | None]]:
@@ -168,14 +215,54 @@ class ApiServer(kmock.KubernetesEmulator):
         async with self._writes:  # one write at a time, as etcd's compare-and-swap orders them
             if request.action == kmock.action.CREATE:
                 self._prepare_create(request)
+            elif request.headers.get("Content-Type", "").startswith(APPLY_PATCH):
+                return await self._apply(request)
             else:
                 self._prepare_patch(request)
             return await super()._handle(request)
 
-    def _prepare_create(self, request: kmock.Request) -> None:
+    async def _apply(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Server-side apply: a create when the object does not exist, else the merge patch that
+        makes the stored object what kube_fields.apply computes; nothing at all if it changes nothing."""
+        config = request.data if request.data is not None else yaml.safe_load(request.text)
+        manager = request.params.get("fieldManager")
+        if not isinstance(config, dict) or not manager:
+            raise kmock.KubernetesError(status=400, reason="BadRequest",
+                                        message="an apply needs an object and a fieldManager")
+        key = (request.resource, request.namespace, request.name)
+        current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+        try:
+            after = kube_fields.apply(current, config, manager, force=request.params.get("force") == "true",
+                                      now=_now())
+        except kube_fields.Conflict as exc:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from exc
+        if current is not None and _unchanged(current, after):
+            return aiohttp.web.json_response(current)
+        request.data.clear()
+        if current is not None:
+            request.data.update(merge_diff(current, after))
+            self._prepare_merge_patch(request, current, applied=True)
+            return await super()._handle(request)
+        request.data.update(after)
+        self._prepare_create(request, applied=True)
+        async with self._lock:  # what kmock does on create, which it does not route for a PATCH
+            if key in self.objects:
+                self.objects[key].create(request.data)
+            else:
+                self.objects[key] = request.data
+            created = self.objects[key].raw
+            await self._buses[request.resource].put({"type": "ADDED", "object": created})
+        return aiohttp.web.json_response(created, status=201)
+
+    def _prepare_create(self, request: kmock.Request, *, applied: bool = False) -> None:
+        """Fill in what the server sets on create; the creator owns every field (an apply has
+        set managedFields already)."""
         body = request.data
         if not isinstance(body, dict):
             raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body is no JSON object")
+        if not applied:
+            body.setdefault("metadata", {})["managedFields"] = kube_fields.updated(
+                None, body, field_manager(request), _now())
         meta = body.setdefault("metadata", {})
         if request.namespace:
             meta["namespace"] = request.namespace
@@ -202,7 +289,8 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             raise kmock.KubernetesError(status=415, reason="UnsupportedMediaType", message="not a JSON (merge) patch")
 
-    def _prepare_merge_patch(self, request: kmock.Request, current: Obj) -> None:
+    def _prepare_merge_patch(self, request: kmock.Request, current: Obj, *, applied: bool = False) -> None:
+        """(An apply's patch carries its managedFields already.)"""
         patch = dict(request.data)
         stale = (patch.get("metadata") or {}).get("resourceVersion")
         if stale is not None and stale != current["metadata"].get("resourceVersion"):
@@ -215,6 +303,8 @@ class ApiServer(kmock.KubernetesEmulator):
         after = merge_patch(current, patch)
         self._validate(request.resource, after)
         meta = patch.setdefault("metadata", {})
+        if not applied:
+            meta["managedFields"] = kube_fields.updated(current, after, field_manager(request), _now())
         meta["resourceVersion"] = self._next_version()
         if _essence(after) != _essence(current):
             meta["generation"] = current["metadata"].get("generation", 0) + 1
@@ -234,6 +324,8 @@ class ApiServer(kmock.KubernetesEmulator):
         except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the JSON patch does not apply: {exc}")
         self._validate(request.resource, after)
+        managed = kube_fields.updated(current, after, field_manager(request), _now())
+        ops.append({"op": "add", "path": "/metadata/managedFields", "value": managed})
         ops.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_version()})
         if _essence(after) != _essence(current):
             generation = current["metadata"].get("generation", 0) + 1
@@ -252,13 +344,21 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _validate(self, res: kmock.resource, body: Obj) -> None:
         validator = self._schemas.get(res)
-        if validator is None:
+        if validator is not None:
+            errors: list[jsonschema.ValidationError] = sorted(validator.iter_errors(body),
+                                                              key=lambda e: list(e.absolute_path))
+        elif res in VALIDATED:
+            try:
+                kubernetes_validate.validate(body, K8S_VERSION, strict=True)
+                errors = []
+            except kubernetes_validate.ValidationError as exc:
+                errors = [exc]
+        else:
             return
-        errors = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
         if errors:
             name = body.get("metadata", {}).get("name", "")
             causes = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors]
-            raise invalid(self._kinds[res], name, causes)
+            raise invalid(res, self._kinds[res], name, causes)
 
     async def _serve_list(self, request: kmock.Request) -> Obj:
         if request.resource not in set(self._get_resources()):
@@ -271,6 +371,13 @@ class ApiServer(kmock.KubernetesEmulator):
                      and selected(obj.raw.get("metadata", {}).get("labels") or {}, terms)]
         return {"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._version)},
                 "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        """kmock's watch, with the ``labelSelector`` a real server applies to every event."""
+        terms = parse_selector(request.params.get("labelSelector", ""))
+        async for event in super()._serve_watch(request):
+            if not isinstance(event, dict) or selected(event["object"]["metadata"].get("labels") or {}, terms):
+                yield event
 
     def _namespaces(self, name: str | None) -> Obj:
         known = sorted({"default", *(ns for _, ns, _ in self.objects if ns)})
@@ -291,6 +398,16 @@ def _ready(workload: Mapping[str, Any]) -> Obj:
 
 def _is_status(path: str) -> bool:
     return path == "/status" or path.startswith("/status/")
+
+
+def _unchanged(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Whether a write changes nothing but the times in managedFields."""
+    def timeless(obj: Mapping[str, Any]) -> Obj:
+        meta = obj.get("metadata", {})
+        managed = sorted(({k: v for k, v in e.items() if k != "time"} for e in meta.get("managedFields", [])),
+                         key=lambda e: (e["manager"], e["operation"]))
+        return {**obj, "metadata": {**meta, "managedFields": managed}}
+    return timeless(before) == timeless(after)
 
 
 def _essence(obj: Mapping[str, Any]) -> Obj:

@@ -1,11 +1,14 @@
 """Running the operator under test, and the HTTP servers it talks to besides the API server.
 
-``running_operator`` runs the operator as the Helm chart does (``kopf run --standalone
---all-namespaces -m specdecode.operator.handlers``) with kopf's ``KopfRunner``, against the
+``running_operator`` runs the operator with the chart's arguments but ``--standalone`` (one
+replica; several peered replicas are run by ``operator_process``), ``kopf run --standalone
+--all-namespaces -m specdecode.operator.handlers``, with kopf's ``KopfRunner``, against the
 emulated API server (kube_emulator.py): kopf logs in through a login handler in a fresh
 registry, the operator's own ``kubernetes`` client through the kubeconfig ``write_kubeconfig``
-writes (the caller points ``KUBECONFIG`` at it). ``RuntimeStandIn`` is a canary pod's runtime
-(``/metrics``), ``PrometheusStandIn`` a Prometheus answering the analysis' queries.
+writes (the caller points ``KUBECONFIG`` at it). ``emulated_cluster`` starts both and yields a
+``Cluster``: the official ``kubernetes`` client's view of the emulator, with the operator's
+start and stop. ``RuntimeStandIn`` is a canary pod's runtime (``/metrics``),
+``PrometheusStandIn`` a Prometheus answering the analysis' queries.
 """
 from __future__ import annotations
 
@@ -17,18 +20,30 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
 import kopf
+import kubernetes
+import pytest
 import yaml
 from kopf.testing import KopfRunner
+from kube_emulator import ApiServer, serve
+from local_process import free_port
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from specdecode.operator import names
+from specdecode.operator.crd import build_crd
 
 HANDLERS = "specdecode.operator.handlers"
 T = TypeVar("T")
+Obj = dict[str, Any]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NS = "llm"
+FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "maxP95InterTokenLatencyMs": 250,
+                 "failureLimit": 2}
 
 
 # -- the operator ---------------------------------------------------------------------------------
@@ -82,6 +97,133 @@ def running_operator(url: str, liveness_port: int) -> Iterator[KopfRunner]:
     with KopfRunner(args, registry=registry, timeout=60) as runner:
         wait_for(lambda: healthy(liveness), "the operator's liveness endpoint")
         yield runner
+
+
+# -- a cluster the tests drive ----------------------------------------------------------------------
+
+
+class Cluster:
+    """The kubernetes client's view of the emulator at ``url``, and the operator run against it."""
+
+    def __init__(self, client: kubernetes.client.ApiClient, url: str, metrics_port: int, liveness_port: int,
+                 server: ApiServer | None = None) -> None:
+        self.server = server
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.url, self.liveness_port = url, liveness_port
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
+        self.operator_logs: list[str] = []
+        self._operator: ExitStack | None = None
+
+    def start_operator(self) -> None:
+        self._operator = ExitStack()
+        self._runner = self._operator.enter_context(running_operator(self.url, self.liveness_port))
+
+    def stop_operator(self) -> None:
+        if self._operator is not None:
+            self._operator.close()
+            self._operator = None
+            self.operator_logs.append(self._runner.output)
+
+    def create(self, body: dict[str, Any]) -> None:
+        self.custom.create_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, body)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name)
+
+    def patch(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name, patch)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.get(name).get("status") or {}
+
+    def condition(self, name: str, type_: str) -> dict[str, Any]:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), {})
+
+    def deployments(self, name: str) -> dict[str, Any]:
+        listed = self.apps.list_namespaced_deployment(NS, label_selector=f"{names.LABEL_INSTANCE}={name}")
+        return {d.metadata.name: d for d in listed.items}
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        return [(e.type, e.reason, e.message) for e in self.core.list_namespaced_event(NS).items
+                if e.involved_object.name == name]
+
+    def operator_metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            return response.read().decode()
+
+    def stand_in_pod(self, name: str, revision: str, port: int) -> None:
+        """A ready pod of ``revision`` whose runtime listens on 127.0.0.1:``port``."""
+        self.runtime_pod(name, revision, {"phase": "Running", "podIP": "127.0.0.1",
+                                          "conditions": [{"type": "Ready", "status": "True"}]}, port)
+
+    def runtime_pod(self, name: str, revision: str, status: dict[str, Any], port: int = names.HTTP_PORT) -> str:
+        """A runtime pod of ``revision`` with ``status``, as the kubelet reports it; its name."""
+        labels = {**names.runtime_pod_labels(name), names.LABEL_REVISION: revision}
+        pod = f"{name}-{revision}-stand-in"
+        self.core.create_namespaced_pod(NS, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
+            "spec": {"containers": [{"name": names.CONTAINER, "image": "stand-in",
+                                     "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": port}]}]}})
+        self.core.patch_namespaced_pod_status(pod, NS, {"status": status})
+        return pod
+
+
+def example(name: str = "smollm2-ngram") -> dict[str, Any]:
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": NS}
+    body["spec"]["rollout"]["analysis"] = dict(FAST_ANALYSIS)
+    return body
+
+
+def running_stable(cluster: Cluster, name: str = "smollm2-ngram", **spec: Any) -> str:
+    """Create the example (with ``spec`` merged in) and wait until its one revision is ready; that revision."""
+    body = example(name)
+    body["spec"] |= spec
+    cluster.create(body)
+    wait_for(lambda: cluster.condition(name, "Ready").get("status") == "True", "Ready=True")
+    return cluster.status(name)["stableRevision"]
+
+
+def start_canary(cluster: Cluster, name: str = "smollm2-ngram") -> str:
+    """Change what the pods run (3 speculative tokens instead of 4); the canary revision."""
+    cluster.patch(name, {"spec": {"speculative": {"numSpeculativeTokens": 3}}})
+    return wait_for(lambda: cluster.status(name).get("canaryRevision"), "a canary revision")
+
+
+@contextmanager
+def emulated_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A fresh API server with the CRD installed and the operator running against it (what the
+    ``cluster`` fixtures yield; the operator's environment is set through ``monkeypatch``)."""
+    server = ApiServer()
+    server.install_crd(build_crd())
+    with serve(server) as url:
+        kubeconfig = write_kubeconfig(url, tmp_path / "kubeconfig")
+        metrics_port, liveness_port = free_port(), free_port()
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(metrics_port))
+        monkeypatch.delenv("SPECDECODE_WEBHOOK_PORT", raising=False)
+        with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
+            cluster = Cluster(client, url, metrics_port, liveness_port, server)
+            cluster.start_operator()
+            try:
+                yield cluster
+            finally:
+                cluster.stop_operator()
+    print("\n".join(cluster.operator_logs)[-20000:])  # the operator's log, shown when the test fails
+
+
+def crd_of(group: str, version: str, kind: str, plural: str) -> Obj:
+    """A namespaced CRD with an open schema: another project's API (HTTPRoute, LeaderWorkerSet) as
+    a cluster with it installed serves it."""
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                     "versions": [{"name": version, "served": True, "storage": True, "schema": {
+                         "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
 
 
 # -- what else it talks to ------------------------------------------------------------------------

@@ -9,23 +9,27 @@ over a two-second window, so a whole rollout takes a few seconds.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import kubernetes
 import pytest
 import yaml
 from kube_emulator import ApiServer, serve
-from local_process import free_port
 from operator_harness import (
+    EXAMPLES,
+    FAST_ANALYSIS,
+    NS,
+    Cluster,
     HttpStandIn,
     PrometheusStandIn,
     RuntimeStandIn,
+    crd_of,
+    emulated_cluster,
+    example,
     healthy,
-    running_operator,
+    running_stable,
+    start_canary,
     wait_for,
     write_kubeconfig,
 )
@@ -36,134 +40,11 @@ from specdecode.operator.handlers import interval_passed
 
 pytestmark = pytest.mark.timeout(120)
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-NS = "llm"
-# The Gateway API's HTTPRoute as a cluster with it installed serves it (schema left open here).
-HTTP_ROUTE_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "httproutes.gateway.networking.k8s.io"},
-    "spec": {"group": "gateway.networking.k8s.io", "scope": "Namespaced",
-             "names": {"kind": "HTTPRoute", "plural": "httproutes", "singular": "httproute"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
-                 "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
-}
-FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "maxP95InterTokenLatencyMs": 250,
-                 "failureLimit": 2}
-
-
-# -- the cluster and the operator ---------------------------------------------------------------
-
-
-class Cluster:
-    """The kubernetes client's view of the emulator at ``url``, and the operator run against it."""
-
-    def __init__(self, client: kubernetes.client.ApiClient, url: str, metrics_port: int, liveness_port: int,
-                 server: ApiServer | None = None) -> None:
-        self.server = server
-        self.custom = kubernetes.client.CustomObjectsApi(client)
-        self.apps = kubernetes.client.AppsV1Api(client)
-        self.core = kubernetes.client.CoreV1Api(client)
-        self.url, self.liveness_port = url, liveness_port
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.liveness_url = f"http://127.0.0.1:{liveness_port}/healthz"
-        self.operator_logs: list[str] = []
-        self._operator: ExitStack | None = None
-
-    def start_operator(self) -> None:
-        self._operator = ExitStack()
-        self._runner = self._operator.enter_context(running_operator(self.url, self.liveness_port))
-
-    def stop_operator(self) -> None:
-        if self._operator is not None:
-            self._operator.close()
-            self._operator = None
-            self.operator_logs.append(self._runner.output)
-
-    def create(self, body: dict[str, Any]) -> None:
-        self.custom.create_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, body)
-
-    def get(self, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name)
-
-    def patch(self, name: str, patch: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name, patch)
-
-    def status(self, name: str) -> dict[str, Any]:
-        return self.get(name).get("status") or {}
-
-    def condition(self, name: str, type_: str) -> dict[str, Any]:
-        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type_), {})
-
-    def deployments(self, name: str) -> dict[str, Any]:
-        listed = self.apps.list_namespaced_deployment(NS, label_selector=f"{names.LABEL_INSTANCE}={name}")
-        return {d.metadata.name: d for d in listed.items}
-
-    def events(self, name: str) -> list[tuple[str, str, str]]:
-        return [(e.type, e.reason, e.message) for e in self.core.list_namespaced_event(NS).items
-                if e.involved_object.name == name]
-
-    def operator_metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
-            return response.read().decode()
-
-    def stand_in_pod(self, name: str, revision: str, port: int) -> None:
-        """A ready pod of ``revision`` whose runtime listens on 127.0.0.1:``port``."""
-        self.runtime_pod(name, revision, {"phase": "Running", "podIP": "127.0.0.1",
-                                          "conditions": [{"type": "Ready", "status": "True"}]}, port)
-
-    def runtime_pod(self, name: str, revision: str, status: dict[str, Any], port: int = names.HTTP_PORT) -> str:
-        """A runtime pod of ``revision`` with ``status``, as the kubelet reports it; its name."""
-        labels = {**names.runtime_pod_labels(name), names.LABEL_REVISION: revision}
-        pod = f"{name}-{revision}-stand-in"
-        self.core.create_namespaced_pod(NS, {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
-            "spec": {"containers": [{"name": names.CONTAINER, "image": "stand-in",
-                                     "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": port}]}]}})
-        self.core.patch_namespaced_pod_status(pod, NS, {"status": status})
-        return pod
-
-
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
     """A fresh API server with the CRD installed, and the operator running against it."""
-    server = ApiServer()
-    server.install_crd(build_crd())
-    with serve(server) as url:
-        kubeconfig = write_kubeconfig(url, tmp_path / "kubeconfig")
-        metrics_port, liveness_port = free_port(), free_port()
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(metrics_port))
-        monkeypatch.delenv("SPECDECODE_WEBHOOK_PORT", raising=False)
-        with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
-            cluster = Cluster(client, url, metrics_port, liveness_port, server)
-            cluster.start_operator()
-            try:
-                yield cluster
-            finally:
-                cluster.stop_operator()
-    print("\n".join(cluster.operator_logs)[-20000:])  # the operator's log, shown when the test fails
-
-
-def example(name: str = "smollm2-ngram") -> dict[str, Any]:
-    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
-    body["metadata"] = {"name": name, "namespace": NS}
-    body["spec"]["rollout"]["analysis"] = dict(FAST_ANALYSIS)
-    return body
-
-
-def running_stable(cluster: Cluster, name: str = "smollm2-ngram", **spec: Any) -> str:
-    """Create the example (with ``spec`` merged in) and wait until its one revision is ready; that revision."""
-    body = example(name)
-    body["spec"] |= spec
-    cluster.create(body)
-    wait_for(lambda: cluster.condition(name, "Ready").get("status") == "True", "Ready=True")
-    return cluster.status(name)["stableRevision"]
-
-
-def start_canary(cluster: Cluster, name: str = "smollm2-ngram") -> str:
-    """Change what the pods run (3 speculative tokens instead of 4); the canary revision."""
-    cluster.patch(name, {"spec": {"speculative": {"numSpeculativeTokens": 3}}})
-    return wait_for(lambda: cluster.status(name).get("canaryRevision"), "a canary revision")
+    with emulated_cluster(tmp_path, monkeypatch) as running:
+        yield running
 
 
 @pytest.fixture
@@ -218,6 +99,35 @@ def test_the_emulator_keeps_the_api_servers_bookkeeping(tmp_path: Path) -> None:
         assert [p.metadata.name for p in api.core.list_namespaced_pod(NS, label_selector="tier=gold").items] == ["a"]
         assert [p.metadata.name for p in api.core.list_namespaced_pod(NS, label_selector="tier!=gold").items] == ["b"]
         assert NS in [n.metadata.name for n in api.core.list_namespace().items]
+
+
+def test_the_emulator_applies_server_side_and_keeps_field_owners(tmp_path: Path) -> None:
+    """Server-side apply and managedFields as the operator relies on them (see kube_fields.py)."""
+    server = ApiServer()
+    with serve(server) as url, kubernetes.config.new_client_from_config(
+            str(write_kubeconfig(url, tmp_path / "kubeconfig"))) as client:
+        core = kubernetes.client.CoreV1Api(client)
+        apply = {"field_manager": "op", "force": True, "_content_type": "application/apply-patch+yaml"}
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "labels": {"a": "1", "b": "2"}},
+               "spec": {"selector": {"app": "s", "old": "x"}, "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}}
+        created = core.patch_namespaced_service("s", NS, svc, **apply)  # an apply creates what is missing
+        assert created.metadata.uid and [(m.manager, m.operation) for m in created.metadata.managed_fields] == [
+            ("op", "Apply")]
+        core.patch_namespaced_service("s", NS, {"metadata": {"annotations": {"note": "n"}}}, field_manager="user",
+                                      _content_type="application/merge-patch+json")
+        fewer = {**svc, "metadata": {"name": "s", "labels": {"a": "1"}}, "spec": {**svc["spec"], "selector": {"app": "s"}}}
+        applied = core.patch_namespaced_service("s", NS, fewer, **apply)
+        assert applied.metadata.labels == {"a": "1"} and applied.spec.selector == {"app": "s"}  # no longer applied: gone
+        assert applied.metadata.annotations == {"note": "n"}  # another manager's field stays
+        again = core.patch_namespaced_service("s", NS, fewer, **apply)
+        assert again.metadata.resource_version == applied.metadata.resource_version  # changed nothing, wrote nothing
+        with pytest.raises(kubernetes.client.ApiException) as conflict:  # another manager's value, not forced
+            core.patch_namespaced_service("s", NS, {**fewer, "metadata": {"name": "s", "annotations": {"note": "m"}}},
+                                          field_manager="other", _content_type="application/apply-patch+yaml")
+        assert conflict.value.status == 409 and "user" in conflict.value.body and ".metadata.annotations.note" in (
+            conflict.value.body)
+        legacy = core.create_namespaced_service(NS, {**svc, "metadata": {"name": "t"}})  # no fieldManager
+        assert [(m.manager, m.operation) for m in legacy.metadata.managed_fields] == [("OpenAPI-Generator", "Update")]
 
 
 def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> None:
@@ -366,7 +276,7 @@ def test_an_httproute_moves_traffic_by_step_weight(cluster: Cluster, stand_ins: 
     """With the Gateway API served: the user's route gets the stable and canary Services as
     backends, weighted by the step the canary last reached; another application's rule stays."""
     assert cluster.server is not None
-    cluster.server.install_crd(HTTP_ROUTE_CRD)
+    cluster.server.install_crd(crd_of("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"))
     routes = ("gateway.networking.k8s.io", "v1", NS, "httproutes")
     admin = {"matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}],
              "backendRefs": [{"name": "admin-ui", "port": 80}]}
