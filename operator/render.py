@@ -14,6 +14,14 @@ also gets torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``NNODES``/``NODE_RANK``, a
 ``NODE_RANK * ranks_per_pod``, so a pod never spans two stages. Every rank serves ``/health`` and
 ``/ready``, and the traffic ``Service`` selects only leaders (rank 0 emits).
 
+Shutdown follows the runtime's drain (``specdecode serve`` on SIGTERM answers ``/ready`` 503 and
+finishes the requests in flight for up to ``--drain-timeout``, 600 s by default): a ``preStop``
+hook first waits ``PRE_STOP_SECONDS`` while the pod, terminating, leaves the Services' endpoints
+(kube-proxy and Gateways stop sending it requests), so that SIGTERM only comes once no new
+request does; a worker pod of a multi-pod group then waits in its hook until its leader has
+exited, because the leader's drain needs its ranks. ``terminationGracePeriodSeconds`` covers the
+hook, the drain and ``EXIT_MARGIN_SECONDS`` to exit.
+
 The revision is a hash of the pod template before anything revision-specific is added, so the
 same spec always has the same revision and any change to what a pod runs makes a new one.
 """
@@ -28,6 +36,7 @@ from typing import Any
 from specdecode.operator import names
 from specdecode.operator.resolve import Resolved
 from specdecode.operator.spec import ModelLocation, ModelScheme
+from specdecode.runtime.config import ServerConfig
 
 Obj = dict[str, Any]
 
@@ -37,6 +46,23 @@ FETCH_SCRIPT = ("import sys; from huggingface_hub import snapshot_download; "
 # A container that exits non-zero leaves the end of its log as its termination message when it
 # wrote none itself (the runtime writes its one-line refusal); the operator puts it in status.
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+DRAIN_TIMEOUT_FLAG = "--drain-timeout"  # the runtime's; extraArgs may set it
+PRE_STOP_SECONDS = 10  # for endpoint controllers, kube-proxy and Gateways to stop sending requests
+EXIT_MARGIN_SECONDS = 30  # after the drain: uvicorn's shutdown, the engine's ranks stopping
+# The preStop hook (argv: seconds, the runtime's port): wait for the endpoints to go; in a worker
+# pod (NODE_RANK > 0), then until the group's leader no longer answers /health (it has drained
+# and exited, or died).
+PRE_STOP_SCRIPT = (
+    "import os, sys, time, urllib.request\n"
+    "time.sleep(float(sys.argv[1]))\n"
+    "leader = os.environ.get('MASTER_ADDR')\n"
+    "while leader and os.environ.get('NODE_RANK', '0') != '0':\n"
+    "    try:\n"
+    "        urllib.request.urlopen(f'http://{leader}:{sys.argv[2]}/health', timeout=2)\n"
+    "    except OSError:\n"
+    "        break\n"
+    "    time.sleep(2)\n"
+)
 
 
 # -- the pod template ---------------------------------------------------------------------------
@@ -107,6 +133,28 @@ def container_resources(r: Resolved) -> Obj:
     if r.layout.gpus_per_pod:
         requests[res.gpu_resource_name] = limits[res.gpu_resource_name] = str(r.layout.gpus_per_pod)
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def drain_timeout_seconds(r: Resolved) -> float:
+    """How long the runtime drains on SIGTERM: ``--drain-timeout`` in extraArgs (the last one
+    counts, as argparse takes it), else the runtime's default."""
+    seconds = ServerConfig.model_fields["drain_timeout_s"].default
+    args = r.spec.extra_args
+    for i, arg in enumerate(args):
+        if arg == DRAIN_TIMEOUT_FLAG and i + 1 < len(args):
+            seconds = float(args[i + 1])
+        elif arg.startswith(f"{DRAIN_TIMEOUT_FLAG}="):
+            seconds = float(arg.partition("=")[2])
+    return seconds
+
+
+def termination_grace_seconds(r: Resolved) -> int:
+    """The preStop wait, the whole drain and the margin to exit."""
+    return math.ceil(PRE_STOP_SECONDS + drain_timeout_seconds(r) + EXIT_MARGIN_SECONDS)
+
+
+def _pre_stop() -> Obj:
+    return {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT, str(PRE_STOP_SECONDS), str(names.HTTP_PORT)]}}
 
 
 def _http_probe(path: str, period: int, failures: int) -> Obj:
@@ -184,11 +232,13 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "startupProbe": _http_probe("/ready", period, startup_failure_threshold(r)),
         "readinessProbe": _http_probe("/ready", period, failures),
         "livenessProbe": _http_probe("/health", period, failures),
+        "lifecycle": {"preStop": _pre_stop()},
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     pod_spec: Obj = {
         **({"initContainers": init} if init else {}),
         "containers": [{k: v for k, v in container.items() if v != []}],
+        "terminationGracePeriodSeconds": termination_grace_seconds(r),
         "volumes": [
             {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shm_size)}},
             *volumes,

@@ -1,14 +1,26 @@
-"""render: layouts, runtime arguments, revision hash, and every object valid for Kubernetes."""
+"""render: layouts, runtime arguments, shutdown, revision hash, and every object valid for Kubernetes."""
 import json
+import math
+import subprocess
+import sys
+import time
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
 from specdecode.operator import names
-from specdecode.operator.render import build_shared, build_workloads, pod_template, render, revision
+from specdecode.operator.render import (
+    EXIT_MARGIN_SECONDS,
+    PRE_STOP_SECONDS,
+    build_shared,
+    build_workloads,
+    pod_template,
+    render,
+    revision,
+)
 from specdecode.operator.resolve import Resolved, resolve
-from specdecode.runtime.config import SpeculativeConfig
+from specdecode.runtime.config import ServerConfig, SpeculativeConfig
 
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 NOT_BUNDLED = {"ServiceMonitor", "LeaderWorkerSet"}  # CRDs of other projects: checked by hand below
@@ -135,6 +147,51 @@ def test_probes_volumes_and_pass_through():
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels["team"] == "ml" and labels[names.LABEL_INSTANCE] == "demo"
     assert deployment["spec"]["template"]["metadata"]["annotations"] == {"note": "x"}
+
+
+@pytest.mark.parametrize(("extra_args", "drain"), [([], 600), (["--drain-timeout", "120"], 120),
+                                                  (["--drain-timeout=90.5"], 90.5)])
+def test_shutdown_waits_for_the_endpoints_then_the_whole_drain(extra_args, drain):
+    """The grace period covers the preStop wait, the runtime's drain as its own parser reads it
+    (default: ServerConfig's) and the margin to exit."""
+    from specdecode.runtime.cli import build_parser
+
+    (deployment, _service) = render(resolved(extraArgs=extra_args))
+    container, pod = runtime(deployment), deployment["spec"]["template"]["spec"]
+    parsed = build_parser().parse_args(container["args"]).drain_timeout
+    assert (parsed or ServerConfig().drain_timeout_s) == drain
+    assert pod["terminationGracePeriodSeconds"] == PRE_STOP_SECONDS + math.ceil(drain) + EXIT_MARGIN_SECONDS
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python", "-c"] and command[3:] == [str(PRE_STOP_SECONDS), str(names.HTTP_PORT)]
+
+
+def test_the_pre_stop_hook_holds_a_worker_until_its_leader_is_gone():
+    """The hook as the kubelet runs it (0 s wait here): a leader or a one-pod replica goes on to
+    SIGTERM at once; a worker waits while its leader answers /health, and goes when it stops."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from threading import Thread
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    command = runtime(render(resolved())[0])["lifecycle"]["preStop"]["exec"]["command"]
+    leader = HTTPServer(("127.0.0.1", 0), Health)
+    Thread(target=leader.serve_forever, daemon=True).start()
+    hook = [sys.executable, *command[1:3], "0", str(leader.server_address[1])]
+    group = {"MASTER_ADDR": "127.0.0.1"}
+    assert subprocess.run(hook, env=group | {"NODE_RANK": "0"}, timeout=10).returncode == 0
+    assert subprocess.run(hook, env={}, timeout=10).returncode == 0
+    worker = subprocess.Popen(hook, env=group | {"NODE_RANK": "1"})
+    time.sleep(1.0)
+    assert worker.poll() is None  # the leader still drains
+    leader.shutdown()
+    leader.server_close()
+    assert worker.wait(timeout=10) == 0
 
 
 def test_selector_labels_win_over_user_pod_labels():
