@@ -37,12 +37,16 @@ from specdecode.operator.analysis import (
 )
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
+    CHILD_REFUSED,
+    INVALID_SPEC,
     Plan,
-    invalid_status,
-    is_invalid,
+    desired_kind,
+    is_not_ready,
+    not_ready,
     plan,
     read_status,
     ready_replicas,
+    running_kind,
     runtime_refusal,
     scrape_targets,
     status_patch,
@@ -50,7 +54,7 @@ from specdecode.operator.reconcile import (
 from specdecode.operator.render import revision, serving_selector
 from specdecode.operator.resolve import Resolved, duration_seconds, resolve
 from specdecode.operator.rollout import Event, EventType, advance, read_commands
-from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus
+from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus, WorkloadKind
 from specdecode.operator.traffic import RouteError, route_patch
 from specdecode.runtime.config import SpeculativeMethod
 
@@ -182,7 +186,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *
         now = datetime.now(timezone.utc)
         status = read_status(body)
         # the old spec counts for the immutable fields only if it was ever served
-        served = status.stable_revision is not None and not is_invalid(status)
+        served = status.stable_revision is not None and not is_not_ready(status, INVALID_SPEC)
         resolution = resolve(body, old if served else None)
         if resolution.resolved is None:
             _refuse(ctx, body, status, resolution.message, now)
@@ -195,9 +199,9 @@ def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentS
             now: datetime) -> None:
     """An invalid spec (admission bypassed): say why in status, leave what runs alone, no retry."""
     meta = body["metadata"]
-    if is_invalid(status, message) and status.observed_generation == meta.get("generation"):
+    if is_not_ready(status, INVALID_SPEC, message) and status.observed_generation == meta.get("generation"):
         return
-    new = invalid_status(status, message, meta.get("generation"), now)
+    new = not_ready(status, INVALID_SPEC, message, now).model_copy(update={"observed_generation": meta.get("generation")})
     ctx.cluster.patch_status(meta["namespace"], meta["name"], status_patch(new))
     kube.post_events(body, [Event(EventType.WARNING, "InvalidSpec", message)])
 
@@ -205,43 +209,61 @@ def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentS
 def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDecodeDeploymentStatus,
               now: datetime, logger: logging.Logger, *, analyze: bool) -> None:
     cluster, meta = ctx.cluster, body["metadata"]
-    lws = cluster.serves(kube.LEADER_WORKER_SET.api_version)
     existing = cluster.children(r.namespace, r.name)
+    running = running_kind(status, existing)
+    kind, kind_warnings = desired_kind(r, running, (meta.get("annotations") or {}).get(names.ANNOTATION_WORKLOAD_KIND),
+                                       lambda: cluster.serves(kube.LEADER_WORKER_SET.api_version))
+    lws = kind is WorkloadKind.LEADER_WORKER_SET
     refusal = runtime_refusal(cluster.pods(r.namespace, names.runtime_pod_labels(r.name)))
     verdict = _analyse(ctx, r, status, now, logger, lws=lws) if analyze else None
     desired = revision(r, leader_worker_set=lws)
     t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
                 verdict=verdict, commands=read_commands(meta.get("annotations")), refusal=refusal)
-    changes = plan(r, desired, t.replicas, existing, stable=t.status.stable_revision,
-                   canary=t.status.canary_revision, leader_worker_set=lws)
-    warnings = _apply(cluster, body, changes) + _route(cluster, r, t.status.rollout.canary_weight, logger)
+    stable_kind = kind if t.status.stable_revision == desired else running or kind
+    changes = plan(r, desired, t.replicas, existing, owner=body, stable=t.status.stable_revision,
+                   canary=t.status.canary_revision, kind=kind, stable_kind=stable_kind)
+    warnings, refused = _apply(cluster, changes)
+    warnings += _route(cluster, r, t.status.rollout.canary_weight, logger)
     new = t.status.model_copy(update={
-        "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *warnings),
-        "selector": names.label_selector(serving_selector(r, leader_worker_set=lws)), "layout": r.layout.notation})
+        "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *kind_warnings, *warnings),
+        "selector": names.label_selector(serving_selector(r, leader_worker_set=stable_kind is WorkloadKind.LEADER_WORKER_SET)),
+        "layout": r.layout.notation, "workload_kind": stable_kind})
+    events = list(t.events)
+    if refused:
+        message = "; ".join(refused)
+        if not is_not_ready(status, CHILD_REFUSED, message):
+            events.append(Event(EventType.WARNING, CHILD_REFUSED, message))
+        new = not_ready(new, CHILD_REFUSED, message, now, before=status)
     if new != status:
         cluster.patch_status(r.namespace, r.name, status_patch(new))
     cluster.remove_annotations(r.namespace, r.name, t.consumed_annotations)
-    kube.post_events(body, t.events)
+    kube.post_events(body, events)
     _record(ctx.metrics, r, status, new, verdict)
 
 
-def _apply(cluster: kube.Cluster, owner: Mapping[str, Any], changes: Plan) -> list[str]:
-    """Scale down and delete first (GPUs free up), then create, adopted by ``owner``. An object
-    of an API the cluster does not serve (ServiceMonitor without the Prometheus operator) is
-    skipped with a warning for the status instead of failing every reconciliation."""
+def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[str]]:
+    """Delete and scale down first (GPUs free up), hand earlier versions' fields over, then apply.
+    Returns (warnings, refusals): an object of an API the cluster does not serve (ServiceMonitor
+    without the Prometheus operator) is skipped with a warning, one the API server refuses as
+    invalid (a bad toleration, quantity or env entry passed through) is named with the server's
+    message, and the others are applied all the same; neither fails the reconciliation."""
     for obj in changes.delete:
         cluster.delete(obj)
-    for obj in changes.patch:
+    for obj in changes.scale:
         cluster.patch(obj)
-    warnings = []
-    for obj in changes.create:
+    for live, managed in changes.hand_over:
+        cluster.hand_over(live, managed)
+    warnings, refused = [], []
+    for obj in changes.apply:
+        what = f"{obj['kind']} {obj['metadata']['name']}"
         if not cluster.serves(obj["apiVersion"]):
-            warnings.append(f"{obj['kind']} {obj['metadata']['name']} not created: the cluster does not serve "
-                            f"{obj['apiVersion']}")
+            warnings.append(f"{what} not created: the cluster does not serve {obj['apiVersion']}")
             continue
-        kopf.adopt(obj, owner=owner)
-        cluster.create(obj)
-    return warnings
+        try:
+            cluster.apply(obj)
+        except kube.Refused as exc:
+            refused.append(f"{what}: {exc}")
+    return warnings, refused
 
 
 def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None, logger: logging.Logger) -> list[str]:

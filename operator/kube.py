@@ -1,9 +1,12 @@
 """The operator's I/O: the Kubernetes API (the official ``kubernetes`` client), pods' ``/metrics``
 over HTTP, Prometheus' query API, and Events (through kopf's poster).
 
-Objects go in and come out as plain dicts, as ``render`` builds them. Changes are JSON merge
-patches (``application/merge-patch+json``): a list in the desired object replaces the live one, so
-what the operator renders is what runs (a strategic merge would keep list items it dropped).
+Objects go in and come out as plain dicts, as ``render`` builds them. Children are written by
+server-side apply (``application/apply-patch+yaml``, forced) under one field manager,
+``names.MANAGER``: the API server keeps which fields we set, and an apply that no longer sets one
+removes it, so what the operator renders is what runs. Every other write (scaling a revision no
+longer rendered, the user's HTTPRoute, the resource's status and annotations) is a JSON merge
+patch under the same manager, which leaves the fields it does not name to whoever owns them.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from specdecode.operator.rollout import Event
 
 Obj = dict[str, Any]
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # its body may be JSON, which is YAML
 DISCOVERY_TTL_SECONDS = 60.0
 
 
@@ -63,6 +68,20 @@ def kind_of(obj: Mapping[str, Any]) -> Kind:
 
 class ScrapeError(OSError):
     """A pod's /metrics or Prometheus could not be read."""
+
+
+class Refused(ValueError):
+    """The API server refused an object as invalid (400, 422); the server's message."""
+
+    REFUSALS = (400, 422)
+
+    @classmethod
+    def of(cls, exc: kubernetes.client.ApiException) -> Refused:
+        try:
+            message = json.loads(exc.body or "")["message"]
+        except (ValueError, TypeError, KeyError):  # no Status object: the raw body, or the reason
+            message = (exc.body or exc.reason or "").strip()
+        return cls(message)
 
 
 @contextmanager
@@ -116,7 +135,8 @@ class Cluster:
     def patch_status(self, namespace: str, name: str, status: Obj) -> None:
         with _gone_is_fine():  # deleted since it was read: nothing left to report on
             self._custom.patch_namespaced_custom_object_status(
-                SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name, {"status": status})
+                SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name, {"status": status},
+                field_manager=names.MANAGER, _content_type=MERGE_PATCH)
 
     def remove_annotations(self, namespace: str, name: str, keys: Iterable[str]) -> None:
         annotations = {key: None for key in keys}
@@ -124,7 +144,7 @@ class Cluster:
             with _gone_is_fine():
                 self._custom.patch_namespaced_custom_object(
                     SPEC_DECODE.group, SPEC_DECODE.version, namespace, SPEC_DECODE.plural, name,
-                    {"metadata": {"annotations": annotations}})
+                    {"metadata": {"annotations": annotations}}, field_manager=names.MANAGER, _content_type=MERGE_PATCH)
 
     # -- discovery -------------------------------------------------------------------------------
 
@@ -163,21 +183,33 @@ class Cluster:
             return self._custom.get_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, name)
         return None
 
-    def create(self, obj: Obj) -> None:
-        kind, namespace = kind_of(obj), obj["metadata"]["namespace"]
-        if kind.group:
-            self._custom.create_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, obj)
-        else:
-            self._core.create_namespaced_service(namespace, obj)
+    def apply(self, obj: Obj) -> None:
+        """Server-side apply of the whole ``obj`` (created if missing); ``Refused`` if invalid."""
+        try:
+            self._patch(obj, obj, APPLY_PATCH, force=True)
+        except kubernetes.client.ApiException as exc:
+            if exc.status in Refused.REFUSALS:
+                raise Refused.of(exc) from exc
+            raise
 
     def patch(self, obj: Obj) -> None:
-        """Merge ``obj`` (a desired object or a partial one with apiVersion, kind and metadata) in."""
+        """Merge ``obj`` (a partial object with apiVersion, kind and metadata) in."""
+        self._patch(obj, obj, MERGE_PATCH)
+
+    def hand_over(self, live: Mapping[str, Any], managed: list[Obj]) -> None:
+        """Set ``live``'s managedFields to ``managed`` unless it changed since it was read."""
+        meta = live["metadata"]
+        self._patch(live, [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+                           {"op": "replace", "path": "/metadata/managedFields", "value": managed}], JSON_PATCH)
+
+    def _patch(self, obj: Mapping[str, Any], body: Any, content_type: str, *, force: bool | None = None) -> None:
         kind, meta = kind_of(obj), obj["metadata"]
+        options = {"field_manager": names.MANAGER, "force": force, "_content_type": content_type}
         if kind.group:
             self._custom.patch_namespaced_custom_object(
-                kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], obj)
+                kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], body, **options)
         else:
-            self._core.patch_namespaced_service(meta["name"], meta["namespace"], obj, _content_type=MERGE_PATCH)
+            self._core.patch_namespaced_service(meta["name"], meta["namespace"], body, **options)
 
     def patch_unless_changed(self, obj: Obj) -> bool:
         """``patch`` with ``obj``'s metadata.resourceVersion; False if the object changed since (409)."""

@@ -36,6 +36,10 @@ ANNOTATION_PROMOTE = f"{GROUP}/promote"  # one-shot: skip the remaining steps an
 ANNOTATION_ABORT = f"{GROUP}/abort"  # one-shot: roll back now; removed when done
 ANNOTATION_RESUME = f"{GROUP}/resume"  # one-shot: resume a paused rollout (also one paused by the analysis)
 ANNOTATION_PAUSE = f"{GROUP}/pause"  # held while present; removing it resumes
+# held: StatefulSet or LeaderWorkerSet, the multi-pod workload kind to run (a change rolls out)
+ANNOTATION_WORKLOAD_KIND = f"{GROUP}/workload-kind"
+# on each child: a hash of what the operator last applied to it (applied again when it differs)
+ANNOTATION_APPLIED = f"{GROUP}/applied"
 
 # -- ports, paths, container and volume names ---------------------------------------------------
 CONTAINER = "runtime"

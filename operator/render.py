@@ -399,14 +399,18 @@ def build_service(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
     }
 
 
-def build_route_services(r: Resolved, stable: str, canary: str | None, *, leader_worker_set: bool = False) -> list[Obj]:
+def build_route_services(r: Resolved, stable: str, canary: str | None, *, leader_worker_set: bool = False,
+                         canary_leader_worker_set: bool = False) -> list[Obj]:
     """With ``rollout.trafficRouting``: the Services an HTTPRoute weighs, one selecting the stable
     revision's serving pods and one the canary's (the stable's while there is no canary, so the
-    route's backends always resolve). Not labelled as the API Service: a ServiceMonitor would
-    otherwise scrape every pod twice more."""
+    route's backends always resolve), each by its own revision's leader label. Not labelled as
+    the API Service: a ServiceMonitor would otherwise scrape every pod twice more."""
     out = []
-    for name, rev in ((names.stable_service_name(r.name), stable), (names.canary_service_name(r.name), canary or stable)):
-        service = build_service(r, leader_worker_set=leader_worker_set)
+    backends = ((names.stable_service_name(r.name), stable, leader_worker_set),
+                (names.canary_service_name(r.name), canary or stable,
+                 canary_leader_worker_set if canary else leader_worker_set))
+    for name, rev, lws in backends:
+        service = build_service(r, leader_worker_set=lws)
         service["metadata"] = _metadata(r, name, {names.LABEL_COMPONENT: names.COMPONENT_ROUTE_BACKEND})
         service["spec"]["type"] = "ClusterIP"
         service["spec"]["selector"][names.LABEL_REVISION] = rev
@@ -449,12 +453,17 @@ def build_pod_disruption_budget(r: Resolved) -> Obj:
     }
 
 
-def build_shared(r: Resolved, stable: str, canary: str | None = None, *, leader_worker_set: bool = False) -> list[Obj]:
+def build_shared(r: Resolved, stable: str, canary: str | None = None, *, leader_worker_set: bool = False,
+                 canary_leader_worker_set: bool = False) -> list[Obj]:
     """The objects every revision shares: the traffic Service, with ``rollout.trafficRouting`` the
-    stable and canary Services, and if asked ServiceMonitor and PDB."""
+    stable and canary Services, and if asked ServiceMonitor and PDB. ``leader_worker_set`` is
+    the stable revision's workload kind, which the traffic Service's leader label follows: a
+    canary of another kind (an explicit change of kind) gets requests through its route Service
+    only, and from the traffic Service once promoted."""
     objs = [build_service(r, leader_worker_set=leader_worker_set)]
     if r.spec.rollout.traffic_routing is not None:
-        objs += build_route_services(r, stable, canary, leader_worker_set=leader_worker_set)
+        objs += build_route_services(r, stable, canary, leader_worker_set=leader_worker_set,
+                                     canary_leader_worker_set=canary_leader_worker_set)
     if r.spec.service_monitor.enabled:
         objs.append(build_service_monitor(r))
     if r.spec.pod_disruption_budget.enabled:

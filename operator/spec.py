@@ -305,6 +305,15 @@ class RolloutStatus(Shared):
     message: str = Field("", description="the last analysis verdict, or why the rollout paused, rolled back or was promoted")
 
 
+class WorkloadKind(str, Enum):
+    """What runs a revision's pods: a Deployment (one pod per replica), or per multi-pod group a
+    StatefulSet (+ headless Service) or one LeaderWorkerSet for all groups."""
+
+    DEPLOYMENT = "Deployment"
+    STATEFUL_SET = "StatefulSet"
+    LEADER_WORKER_SET = "LeaderWorkerSet"
+
+
 class SpecDecodeDeploymentStatus(Shared):
     observed_generation: int | None = None
     conditions: tuple[Condition, ...] = Field(
@@ -317,6 +326,9 @@ class SpecDecodeDeploymentStatus(Shared):
     ready_replicas: int = Field(0, ge=0)
     selector: str | None = Field(None, description="label selector of the serving pods (scale subresource)")
     layout: str | None = Field(None, description="a replica's parallel group, tensor × pipeline ranks, e.g. TP2×PP2")
+    workload_kind: WorkloadKind | None = Field(
+        None, description="what runs the stable revision's pods: chosen once (LeaderWorkerSet if the cluster served it "
+        "then), changed only by the specdecode.io/workload-kind annotation, as a rollout")
     acceptance: MeasuredAcceptance | None = None
     warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
     rollout: RolloutStatus = RolloutStatus()

@@ -1,5 +1,6 @@
-"""The operator shell's pure parts: the child plan, readiness, scrape targets, the status patch,
-the configuration from the environment, the operator's metrics and its per-resource memory."""
+"""The operator shell's pure parts: the child plan (applied forms, the hand-over of fields earlier
+versions wrote, the workload kind chosen once), readiness, scrape targets, the status patch, the
+configuration from the environment, the operator's metrics and its per-resource memory."""
 from __future__ import annotations
 
 import logging
@@ -15,12 +16,20 @@ from specdecode.operator import metrics, names
 from specdecode.operator.analysis import MetricSnapshot
 from specdecode.operator.controller import Memory, OperatorConfig, no_webhook_server, webhook_server
 from specdecode.operator.reconcile import (
+    CHILD_REFUSED,
+    INVALID_SPEC,
+    LEGACY_MANAGERS,
     MAX_REFUSAL_CHARS,
+    Plan,
+    applied_form,
     contains,
-    invalid_status,
-    is_invalid,
+    desired_kind,
+    handed_over,
+    is_not_ready,
+    not_ready,
     plan,
     ready_replicas,
+    running_kind,
     runtime_refusal,
     scrape_targets,
     status_patch,
@@ -34,6 +43,7 @@ from specdecode.operator.spec import (
     MeasuredAcceptance,
     RolloutStatus,
     SpecDecodeDeploymentStatus,
+    WorkloadKind,
 )
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -47,15 +57,28 @@ def resolved(**spec: Any) -> Resolved:
     return answer.resolved
 
 
+OWNER = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+         "metadata": {"name": "demo", "namespace": "llm", "uid": "owner-uid", "labels": {"team": "ml"}}}
+DEPLOYMENT, STATEFUL_SET, LWS = WorkloadKind.DEPLOYMENT, WorkloadKind.STATEFUL_SET, WorkloadKind.LEADER_WORKER_SET
+
+
 def live(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``objs`` as the API server returns them: with server-filled fields."""
+    """``objs`` as the API server returns them once applied: owned, stamped, with server-filled fields."""
     out = []
     for obj in objs:
-        copy = {**obj, "metadata": {**obj["metadata"], "uid": "u", "resourceVersion": "7"}}
+        applied = applied_form(obj, OWNER)
+        copy = {**applied, "metadata": {**applied["metadata"], "uid": "u", "resourceVersion": "7"}}
         if obj["kind"] in ("Deployment", "StatefulSet"):
             copy["status"] = {"readyReplicas": obj["spec"]["replicas"]}
         out.append(copy)
     return out
+
+
+def planned(r: Resolved, desired: str, replicas: dict[str, int], existing: list[dict[str, Any]], *,
+            stable: str, canary: str | None = None, kind: WorkloadKind = DEPLOYMENT,
+            stable_kind: WorkloadKind | None = None) -> Plan:
+    return plan(r, desired, replicas, existing, owner=OWNER, stable=stable, canary=canary, kind=kind,
+                stable_kind=stable_kind or kind)
 
 
 def names_of(objs: tuple[dict[str, Any], ...]) -> set[tuple[str, str]]:
@@ -65,28 +88,32 @@ def names_of(objs: tuple[dict[str, Any], ...]) -> set[tuple[str, str]]:
 # -- plan -----------------------------------------------------------------------------------------
 
 
-def test_a_fresh_resource_creates_its_revision_and_the_shared_objects() -> None:
+def test_a_fresh_resource_applies_its_revision_and_the_shared_objects_owned() -> None:
     r = resolved(podDisruptionBudget={"enabled": True})
-    changes = plan(r, "rev1", {"rev1": 2}, [], stable="rev1", leader_worker_set=False)
-    assert names_of(changes.create) == {("Deployment", "demo-rev1"), ("Service", "demo"),
-                                        ("PodDisruptionBudget", "demo")}
-    assert not changes.patch and not changes.delete
+    changes = planned(r, "rev1", {"rev1": 2}, [], stable="rev1")
+    assert names_of(changes.apply) == {("Deployment", "demo-rev1"), ("Service", "demo"),
+                                       ("PodDisruptionBudget", "demo")}
+    assert not changes.scale and not changes.delete and not changes.hand_over
+    for obj in changes.apply:
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert (owner["uid"], owner["controller"], owner["blockOwnerDeletion"]) == ("owner-uid", True, True)
+        assert obj["metadata"]["labels"]["team"] == "ml"  # the resource's labels, under ours
+        assert len(obj["metadata"]["annotations"][names.ANNOTATION_APPLIED]) == 16
 
 
 def test_what_already_runs_is_left_alone() -> None:
     r = resolved()
     existing = live([*build_workloads(r, "rev1", 2), *build_shared(r, "rev1")])
-    assert not plan(r, "rev1", {"rev1": 2}, existing, stable="rev1", leader_worker_set=False)
+    assert not planned(r, "rev1", {"rev1": 2}, existing, stable="rev1")
 
 
 def test_the_stable_revision_is_only_scaled_during_a_rollout() -> None:
     r = resolved()
     old_template = build_workloads(resolved(image="specdecode/runtime:old"), "stable", 2)
     existing = live([*old_template, *build_shared(r, "stable")])
-    changes = plan(r, "canary", {"stable": 1, "canary": 1}, existing, stable="stable", canary="canary",
-                   leader_worker_set=False)
-    assert names_of(changes.create) == {("Deployment", "demo-canary")}
-    assert changes.patch == ({"apiVersion": "apps/v1", "kind": "Deployment",
+    changes = planned(r, "canary", {"stable": 1, "canary": 1}, existing, stable="stable", canary="canary")
+    assert names_of(changes.apply) == {("Deployment", "demo-canary")}
+    assert changes.scale == ({"apiVersion": "apps/v1", "kind": "Deployment",
                               "metadata": {"name": "demo-stable", "namespace": "llm"}, "spec": {"replicas": 1}},)
     assert not changes.delete
 
@@ -94,31 +121,126 @@ def test_the_stable_revision_is_only_scaled_during_a_rollout() -> None:
 def test_revisions_and_shared_objects_no_longer_wanted_are_deleted() -> None:
     before = resolved(podDisruptionBudget={"enabled": True})
     existing = live([*build_workloads(before, "old", 2), *build_workloads(before, "new", 2), *build_shared(before, "new")])
-    changes = plan(resolved(), "new", {"new": 2}, existing, stable="new", leader_worker_set=False)
+    changes = planned(resolved(), "new", {"new": 2}, existing, stable="new")
     assert names_of(changes.delete) == {("Deployment", "demo-old"), ("PodDisruptionBudget", "demo")}
-    assert not changes.create and not changes.patch
+    assert not changes.apply and not changes.scale
 
 
-def test_a_changed_desired_object_is_patched_whole() -> None:
+def test_a_child_is_applied_whole_when_what_is_rendered_changes_even_by_a_removal() -> None:
     r = resolved()
-    existing = live([*build_workloads(r, "rev1", 2), *build_shared(resolved(service={"port": 9000}), "rev1")])
-    (service,) = plan(r, "rev1", {"rev1": 2}, existing, stable="rev1", leader_worker_set=False).patch
+    existing = live([*build_workloads(r, "rev1", 2),
+                     *build_shared(resolved(service={"port": 9000, "annotations": {"gone": "x"}}), "rev1")])
+    (service,) = planned(r, "rev1", {"rev1": 2}, existing, stable="rev1").apply
     assert service["kind"] == "Service" and service["spec"]["ports"][0]["port"] == 8000
+    assert service["metadata"]["annotations"].keys() == {names.ANNOTATION_APPLIED}  # what applying it removes
+    # a removal alone (what runs still contains all we render) changes the stamp, and so applies
+    fewer = live([*build_workloads(r, "rev1", 2), *build_shared(resolved(service={"annotations": {"gone": "x"}}), "rev1")])
+    assert names_of(planned(r, "rev1", {"rev1": 2}, fewer, stable="rev1").apply) == {("Service", "demo")}
+    # and a field someone else removed from what runs is applied back
+    edited = live([*build_workloads(r, "rev1", 2), *build_shared(r, "rev1")])
+    del edited[-1]["spec"]["selector"][names.LABEL_INSTANCE]
+    assert names_of(planned(r, "rev1", {"rev1": 2}, edited, stable="rev1").apply) == {("Service", "demo")}
 
 
 def test_statefulset_groups_of_an_older_revision_scale_to_zero_and_back() -> None:
     layout = dict(parallelism={"tensor": 4}, resources={"gpusPerPod": 2})  # 2 pods per group
     r = resolved(**layout)
     existing = live([*build_workloads(resolved(image="x:old", **layout), "old", 2), *build_shared(r, "old")])
-    shrink = plan(r, "new", {"old": 1, "new": 1}, existing, stable="old", canary="new", leader_worker_set=False)
-    assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in shrink.patch] == [("demo-old-1", 0)]
-    assert names_of(shrink.create) == {("StatefulSet", "demo-new-0"), ("Service", "demo-new-0")}
+    shrink = planned(r, "new", {"old": 1, "new": 1}, existing, stable="old", canary="new", kind=STATEFUL_SET)
+    assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in shrink.scale] == [("demo-old-1", 0)]
+    assert names_of(shrink.apply) == {("StatefulSet", "demo-new-0"), ("Service", "demo-new-0")}
     assert not shrink.delete  # a rollback scales the group back instead of re-rendering an old spec
 
     scaled = [o if o["metadata"]["name"] != "demo-old-1" else {**o, "spec": {**o["spec"], "replicas": 0}}
               for o in existing]
-    back = plan(r, "new", {"old": 2}, scaled, stable="old", leader_worker_set=False)
-    assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in back.patch] == [("demo-old-1", 2)]  # pods per group
+    back = planned(r, "new", {"old": 2}, scaled, stable="old", kind=STATEFUL_SET)
+    assert [(p["metadata"]["name"], p["spec"]["replicas"]) for p in back.scale] == [("demo-old-1", 2)]  # pods per group
+
+
+# -- the hand-over of fields an earlier operator version wrote ------------------------------------
+
+
+def managed(manager: str, operation: str, fields: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"manager": manager, "operation": operation, "apiVersion": "v1", "time": "2026-01-01T00:00:00Z",
+            "fieldsType": "FieldsV1", "fieldsV1": fields, **extra}
+
+
+def test_fields_earlier_versions_wrote_are_handed_to_our_apply_entry_once() -> None:
+    (legacy,) = LEGACY_MANAGERS
+    created = managed(legacy, "Update", {"f:metadata": {"f:annotations": {"f:gone": {}}}, "f:spec": {"f:type": {}}})
+    patched = managed(legacy, "Update", {"f:spec": {"f:selector": {"f:old": {}}}})
+    status = managed(legacy, "Update", {"f:status": {"f:loadBalancer": {}}}, subresource="status")
+    users = managed("kubectl-edit", "Update", {"f:metadata": {"f:labels": {"f:mine": {}}}})
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "demo", "managedFields": [created, users, patched, status]}}
+    entries = handed_over(service)
+    assert entries is not None and entries[:2] == [users, status]  # another manager's and a subresource's stay
+    ours = entries[2]
+    assert (ours["manager"], ours["operation"], ours["apiVersion"]) == (names.MANAGER, "Apply", "v1")
+    assert ours["fieldsV1"] == {"f:metadata": {"f:annotations": {"f:gone": {}}},
+                                "f:spec": {"f:type": {}, "f:selector": {"f:old": {}}}}
+    assert handed_over({**service, "metadata": {"managedFields": entries}}) is None  # applied since: done
+    assert handed_over({**service, "metadata": {"managedFields": [users]}}) is None  # never ours
+
+
+def test_only_children_about_to_be_applied_are_handed_over() -> None:
+    r = resolved()
+    (legacy,) = LEGACY_MANAGERS
+    existing = live([*build_workloads(r, "rev1", 2), *build_shared(resolved(service={"port": 9000}), "rev1")])
+    for obj in existing:
+        obj["metadata"]["managedFields"] = [managed(legacy, "Update", {"f:spec": {"f:replicas": {}}})]
+    (only,) = planned(r, "rev1", {"rev1": 2}, existing, stable="rev1").hand_over
+    assert only[0]["kind"] == "Service" and only[1][-1]["manager"] == names.MANAGER
+
+
+# -- the workload kind, chosen once ---------------------------------------------------------------
+
+
+class Discovery:
+    """``Cluster.serves`` for LeaderWorkerSet, counting the questions."""
+
+    def __init__(self, serves: bool) -> None:
+        self.serves, self.asked = serves, 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.serves
+
+
+def test_the_multi_pod_kind_is_chosen_once_then_kept_until_asked_for_another() -> None:
+    multi = resolved(parallelism={"pipeline": 2})
+    served = Discovery(True)
+    assert desired_kind(resolved(), None, None, served) == (DEPLOYMENT, []) and served.asked == 0
+    assert desired_kind(multi, None, None, served) == (LWS, []) and served.asked == 1  # a new resource: discovery
+    assert desired_kind(multi, STATEFUL_SET, None, served) == (STATEFUL_SET, []) and served.asked == 1  # kept
+    assert desired_kind(multi, STATEFUL_SET, "LeaderWorkerSet", served) == (LWS, [])  # asked for
+    assert desired_kind(multi, LWS, "StatefulSet", served) == (STATEFUL_SET, [])
+    kind, warnings = desired_kind(multi, STATEFUL_SET, "LeaderWorkerSet", Discovery(False))
+    assert kind is STATEFUL_SET and "does not serve leaderworkerset.x-k8s.io/v1" in warnings[0]
+    kind, warnings = desired_kind(multi, LWS, "Deployment", served)
+    assert kind is LWS and "neither StatefulSet nor LeaderWorkerSet" in warnings[0]
+
+
+def test_what_runs_is_read_from_status_else_from_the_stable_revisions_workloads() -> None:
+    layout = dict(parallelism={"pipeline": 2})
+    existing = live([*build_workloads(resolved(**layout), "old", 1), *build_workloads(resolved(**layout), "new", 1,
+                                                                                      leader_worker_set=True)])
+    assert running_kind(SpecDecodeDeploymentStatus(stable_revision="old"), existing) is STATEFUL_SET
+    assert running_kind(SpecDecodeDeploymentStatus(stable_revision="new"), existing) is LWS
+    assert running_kind(SpecDecodeDeploymentStatus(stable_revision="old", workload_kind=LWS), existing) is LWS
+    assert running_kind(SpecDecodeDeploymentStatus(), []) is None
+
+
+def test_a_change_of_kind_keeps_the_traffic_service_on_the_stable_kinds_leaders() -> None:
+    r = resolved(parallelism={"pipeline": 2}, rollout={"trafficRouting": {"httpRoute": "gw"}})
+    existing = live([*build_workloads(r, "old", 2), *build_shared(r, "old")])
+    changes = planned(r, "new", {"old": 1, "new": 1}, existing, stable="old", canary="new", kind=LWS,
+                      stable_kind=STATEFUL_SET)
+    applied = {o["metadata"]["name"]: o for o in changes.apply}
+    assert applied["demo-new"]["kind"] == "LeaderWorkerSet"
+    assert "demo" not in applied and "demo-stable" not in applied  # the Services of running pods stay as they are
+    canary_service = applied["demo-canary"]["spec"]["selector"]
+    assert canary_service[names.LABEL_LWS_WORKER_INDEX] == "0" and names.LABEL_STS_POD_INDEX not in canary_service
 
 
 def test_contains_allows_server_filled_fields_but_not_other_lists() -> None:
@@ -222,15 +344,26 @@ def test_status_patch_removes_what_became_none_and_keeps_lists_clean() -> None:
     assert patch["conditions"] == [{"type": "Ready", "status": "True", "reason": "ReplicasReady", "message": ""}]
 
 
-def test_an_invalid_spec_sets_ready_false_and_keeps_the_rest() -> None:
+def test_not_ready_says_why_and_keeps_the_rest() -> None:
     status = SpecDecodeDeploymentStatus(stable_revision="a", observed_generation=1)
-    new = invalid_status(status, "spec.x: wrong", 2, NOW)
+    new = not_ready(status, INVALID_SPEC, "spec.x: wrong", NOW)
     (ready,) = new.conditions
     assert (ready.type, ready.status, ready.reason, ready.message) == (
         ConditionType.READY, ConditionStatus.FALSE, "InvalidSpec", "spec.x: wrong")
-    assert new.stable_revision == "a" and new.observed_generation == 2
-    assert is_invalid(new) and is_invalid(new, "spec.x: wrong") and not is_invalid(new, "other")
-    assert not is_invalid(status)
+    assert new.stable_revision == "a"
+    assert is_not_ready(new, INVALID_SPEC) and is_not_ready(new, INVALID_SPEC, "spec.x: wrong")
+    assert not is_not_ready(new, INVALID_SPEC, "other") and not is_not_ready(new, CHILD_REFUSED)
+    assert not is_not_ready(status, INVALID_SPEC)
+
+
+def test_a_refused_child_is_not_ready_since_the_refusal_began() -> None:
+    """The rollout's conditions say Ready=True; the refusal overrides it, its time from the stored status."""
+    earlier = NOW - timedelta(minutes=5)
+    stored = not_ready(SpecDecodeDeploymentStatus(), CHILD_REFUSED, "Deployment x: bad", earlier)
+    ready_by_replicas = SpecDecodeDeploymentStatus(conditions=(Condition(
+        type=ConditionType.READY, status=ConditionStatus.TRUE, reason="ReplicasReady", last_transition_time=NOW),))
+    (ready,) = not_ready(ready_by_replicas, CHILD_REFUSED, "Deployment x: bad", NOW, before=stored).conditions
+    assert (ready.status, ready.reason, ready.last_transition_time) == (ConditionStatus.FALSE, CHILD_REFUSED, earlier)
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -332,6 +332,18 @@ def test_traffic_routing_adds_a_stable_and_a_canary_service():
     assert [o["metadata"]["name"] for o in build_shared(resolved(), "old") if o["kind"] == "Service"] == ["demo"]
 
 
+def test_each_route_service_selects_the_leaders_of_its_own_revisions_kind():
+    """A canary of another workload kind (an explicit change of kind): the traffic Service and the
+    stable backend keep the stable's leader label, the canary backend selects the canary's."""
+    r = resolved(**LAYOUTS["pp-sts"], rollout={"trafficRouting": {"httpRoute": "gw"}})
+    services = {o["metadata"]["name"]: o["spec"]["selector"] for o in build_shared(
+        r, "old", "new", leader_worker_set=False, canary_leader_worker_set=True)}
+    for name in ("demo", "demo-stable"):
+        assert services[name][names.LABEL_STS_POD_INDEX] == "0" and names.LABEL_LWS_WORKER_INDEX not in services[name]
+    assert services["demo-canary"][names.LABEL_LWS_WORKER_INDEX] == "0"
+    assert names.LABEL_STS_POD_INDEX not in services["demo-canary"]
+
+
 def test_revision_is_stable_and_follows_the_pod_template():
     base = revision(resolved(speculative={"method": "ngram"}))
     assert base == revision(resolved(speculative={"method": "ngram"}))
