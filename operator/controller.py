@@ -11,11 +11,18 @@ serialised by a lock, and each starts from a fresh read, so concurrent triggers 
 stale state.
 
 Configuration comes from the environment once, in the startup handler (``OperatorConfig``).
+
+High availability: the chart runs the operator as a StatefulSet of several replicas peered by kopf
+(``kopf run --peering``): each replica's priority comes from its ordinal (``peering_priority``), so
+no two share one — kopf pauses every replica that sees another of the same priority — and the
+lowest ordinal running reconciles while the others stand by. Every replica serves the admission
+webhook, paused or not.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,8 +70,17 @@ ENV_WEBHOOK_PORT = "SPECDECODE_WEBHOOK_PORT"
 ENV_WEBHOOK_CERT_DIR = "SPECDECODE_WEBHOOK_CERT_DIR"
 ENV_METRICS_PORT = "SPECDECODE_METRICS_PORT"
 ENV_KUBECONFIG = "KUBECONFIG"
+ENV_POD_ID = "POD_ID"  # kopf's: this replica's identity among its peers (the chart: the pod's name)
+ENV_PEERING_LIFETIME = "SPECDECODE_PEERING_LIFETIME_SECONDS"
 DEFAULT_METRICS_PORT = 8081
 SCRAPE_TIMEOUT_SECONDS = 5.0
+TOP_PEERING_PRIORITY = 100  # of ordinal 0; below kopf's --dev (666), so that a developer's operator takes over
+# What the operator watches besides its resource, asked of the API server by label (kopf's
+# ``settings.watching.label_selectors``): its workloads and its runtime pods, nothing else in the cluster.
+WORKLOAD_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+RUNTIME_POD_LABELS = {names.LABEL_NAME: names.APP, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+WATCHED = {("apps", "deployments"): WORKLOAD_LABELS, ("apps", "statefulsets"): WORKLOAD_LABELS,
+           ("leaderworkerset.x-k8s.io", "leaderworkersets"): WORKLOAD_LABELS, ("v1", "pods"): RUNTIME_POD_LABELS}
 
 
 @dataclass(frozen=True)
@@ -73,18 +89,28 @@ class OperatorConfig:
     webhook_cert_dir: Path | None = None  # tls.crt + tls.key; None: plain HTTP
     metrics_port: int = DEFAULT_METRICS_PORT
     kubeconfig: str | None = None  # outside a cluster
+    peering_priority: int | None = None  # None: kopf's (--priority, default 0)
+    peering_lifetime: int | None = None  # seconds a crashed replica's record holds the others back; None: kopf's 60
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         def value(key: str) -> str | None:
             return env.get(key, "").strip() or None  # unset and empty alike
 
-        webhook_port, cert_dir, metrics_port = (value(k) for k in (ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR,
-                                                                   ENV_METRICS_PORT))
+        webhook_port, cert_dir, metrics_port, lifetime = (value(k) for k in (
+            ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR, ENV_METRICS_PORT, ENV_PEERING_LIFETIME))
         return cls(webhook_port=int(webhook_port) if webhook_port else None,
                    webhook_cert_dir=Path(cert_dir) if cert_dir else None,
                    metrics_port=int(metrics_port) if metrics_port else DEFAULT_METRICS_PORT,
-                   kubeconfig=value(ENV_KUBECONFIG))
+                   kubeconfig=value(ENV_KUBECONFIG), peering_priority=peering_priority(value(ENV_POD_ID)),
+                   peering_lifetime=int(lifetime) if lifetime else None)
+
+
+def peering_priority(pod_id: str | None) -> int | None:
+    """The priority of StatefulSet pod ``<name>-<ordinal>`` among its peers: ordinal 0 highest,
+    each ordinal its own; None for any other identity."""
+    ordinal = re.fullmatch(r".+-(\d+)", pod_id or "")
+    return TOP_PEERING_PRIORITY - int(ordinal[1]) if ordinal else None
 
 
 async def no_webhook_server(fn: Any) -> Any:
@@ -108,12 +134,19 @@ def webhook_server(config: OperatorConfig, logger: logging.Logger) -> Any:
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig, logger: logging.Logger) -> None:
     """kopf's settings: state in annotations (the CRD's structural schema has no room for kopf in
     status), a finalizer in our group (kopf needs one to stop the analysis daemon), handler logs
-    posted as Events only from warnings up, the webhook server."""
+    posted as Events only from warnings up, the webhook server, the watches' label selectors
+    (``WATCHED``), and this replica's peering priority and lifetime."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
     settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING
     settings.admission.server = webhook_server(config, logger)
+    for resource, labels in WATCHED.items():
+        settings.watching.label_selectors[resource] = names.label_selector(labels)
+    if config.peering_priority is not None:
+        settings.peering.priority = config.peering_priority
+    if config.peering_lifetime is not None:
+        settings.peering.lifetime = config.peering_lifetime
 
 
 # -- per-resource memory ------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """Every kopf handler of the operator; each unpacks its arguments and calls one function.
 
-Run as the Helm chart does::
+Run as the Helm chart does, in every replica (kopf's peering in the ClusterKopfPeering named after
+the release, here ``specdecode-operator``, lets one act; see ``controller``)::
 
-    kopf run --standalone --all-namespaces --liveness=http://0.0.0.0:8080/healthz -m specdecode.operator.handlers
+    kopf run --all-namespaces --peering=specdecode-operator --liveness=http://0.0.0.0:8080/healthz \
+        -m specdecode.operator.handlers
 
 Environment (read once, at startup): ``SPECDECODE_WEBHOOK_PORT`` (unset or empty: no webhook
 server), ``SPECDECODE_WEBHOOK_CERT_DIR`` (tls.crt, tls.key), ``SPECDECODE_METRICS_PORT`` (default
-8081), ``KUBECONFIG`` outside a cluster. The validating webhook answers on ``/{WEBHOOK_ID}``
+8081), ``POD_ID`` (the pod's name: kopf's peer identity, and the priority from its ordinal),
+``SPECDECODE_PEERING_LIFETIME_SECONDS`` (default kopf's 60), ``KUBECONFIG`` outside a cluster.
+The validating webhook answers on ``/{WEBHOOK_ID}``
 (kopf routes by handler id); the chart's ValidatingWebhookConfiguration points there.
 
 Deletion needs no handler of its own: every child carries a controller owner reference, so the
@@ -27,8 +31,7 @@ from specdecode.operator.resolve import admit
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
-WORKLOADS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
-RUNTIME_PODS = {names.LABEL_NAME: names.APP, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
+WORKLOADS, RUNTIME_PODS = controller.WORKLOAD_LABELS, controller.RUNTIME_POD_LABELS  # the API server filters too
 STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
 
 

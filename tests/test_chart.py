@@ -31,9 +31,11 @@ CHART = REPO / "charts" / "specdecode"
 RELEASE, NAMESPACE = "specdecode", "specdecode-system"
 KUBERNETES_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 # The contract with the operator (issue 4): how the image is run, where admission is served.
-OPERATOR_COMMAND = ["kopf", "run", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz",
+FULLNAME = f"{RELEASE}-operator"
+OPERATOR_COMMAND = ["kopf", "run", "--all-namespaces", f"--peering={FULLNAME}", "--liveness=http://0.0.0.0:8080/healthz",
                     "-m", "specdecode.operator.handlers"]
 WEBHOOK_PATH = "/validate-specdecodedeployment"
+PEERING_CRD = "kopf.dev_clusterkopfpeerings.yaml"
 
 CUSTOM_VALUES = {
     "image": {"repository": "registry.example.com/ml/specdecode-operator", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -47,7 +49,8 @@ CERT_MANAGER_VALUES = {"webhook": {"certManager": {"enabled": True}}}
 VALUE_SETS = {"defaults": {}, "custom": CUSTOM_VALUES, "cert-manager": CERT_MANAGER_VALUES}
 # Served by other projects' CRDs; kubernetes-validate bundles no schema for them.
 FOREIGN_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Issuer"),
-                 ("cert-manager.io/v1", "Certificate")}
+                 ("cert-manager.io/v1", "Certificate"), ("kopf.dev/v1", "ClusterKopfPeering")}
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration", "ClusterKopfPeering"}
 
 Obj = dict[str, Any]
 
@@ -77,12 +80,12 @@ def kinds(objs: list[Obj]) -> set[str]:
 
 
 def operator_container(objs: list[Obj]) -> Obj:
-    (container,) = only(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (container,) = only(objs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
     return container
 
 
-def container_env(container: Obj) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+def container_env(container: Obj) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
 def container_ports(container: Obj) -> dict[str, int]:
@@ -120,27 +123,25 @@ def test_every_object_passes_the_kubernetes_schema(rendered, values_name, versio
 
 
 def test_each_value_set_renders_its_objects(rendered):
-    common = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"}
+    common = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "StatefulSet", "PodDisruptionBudget",
+              "ClusterKopfPeering"}
     assert kinds(rendered["defaults"]) == common | {"Secret", "ValidatingWebhookConfiguration", "ConfigMap"}
     assert kinds(rendered["custom"]) == common | {"ServiceMonitor"}
     assert kinds(rendered["cert-manager"]) == common | {"Issuer", "Certificate", "ValidatingWebhookConfiguration",
                                                          "ConfigMap"}
     for objs in rendered.values():
-        namespaced = [o for o in objs if o["kind"] not in {"ClusterRole", "ClusterRoleBinding",
-                                                           "ValidatingWebhookConfiguration"}]
+        namespaced = [o for o in objs if o["kind"] not in CLUSTER_SCOPED]
         assert {o["metadata"]["namespace"] for o in namespaced} == {NAMESPACE}
 
 
-# -- the operator Deployment ---------------------------------------------------------------------
+# -- the operator StatefulSet --------------------------------------------------------------------
 
 
 def test_operator_runs_the_contracted_command_hardened(rendered):
     objs = rendered["defaults"]
-    deployment = only(objs, "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
+    pod = only(objs, "StatefulSet")["spec"]["template"]["spec"]
     container = operator_container(objs)
     assert container["command"] == OPERATOR_COMMAND
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     assert container["image"] == "specdecode/operator:0.1.0"  # the chart's appVersion
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
     security = container["securityContext"]
@@ -148,6 +149,30 @@ def test_operator_runs_the_contracted_command_hardened(rendered):
     assert security["capabilities"]["drop"] == ["ALL"]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert pod["serviceAccountName"] == only(objs, "ServiceAccount")["metadata"]["name"]
+
+
+def test_two_replicas_peer_with_distinct_priorities_and_survive_a_drain(rendered, chart):
+    """Every replica runs the same command; kopf peering in the release's ClusterKopfPeering lets
+    one act, each taking its priority from its ordinal (POD_ID = the pod's name: <fullname>-N)."""
+    from specdecode.operator.controller import peering_priority
+
+    objs = rendered["defaults"]
+    operator, pdb = only(objs, "StatefulSet"), only(objs, "PodDisruptionBudget")
+    assert operator["spec"]["replicas"] == 2 and operator["spec"]["podManagementPolicy"] == "Parallel"
+    peering = only(objs, "ClusterKopfPeering")["metadata"]["name"]
+    assert f"--peering={peering}" in operator_container(objs)["command"] and "--standalone" not in OPERATOR_COMMAND
+    env = container_env(operator_container(objs))
+    assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["SPECDECODE_PEERING_LIFETIME_SECONDS"] == "60"
+    pods = [f"{operator['metadata']['name']}-{ordinal}" for ordinal in range(operator["spec"]["replicas"])]
+    assert len({peering_priority(pod) for pod in pods} - {None}) == len(pods)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= operator["spec"]["template"]["metadata"]["labels"].items()
+    spread = operator["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == (
+        "kubernetes.io/hostname")
+    single = render(chart, {"replicas": 1})
+    assert "PodDisruptionBudget" not in kinds(single) and only(single, "StatefulSet")["spec"]["replicas"] == 1
 
 
 def test_probes_and_ports_agree_with_the_command(rendered):
@@ -164,14 +189,14 @@ def test_probes_and_ports_agree_with_the_command(rendered):
 
 def test_operator_pods_never_match_a_runtime_service_selector(rendered):
     """The Services the operator renders select app.kubernetes.io/name=specdecode + instance."""
-    labels = only(rendered["defaults"], "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels = only(rendered["defaults"], "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert labels[names.LABEL_NAME] != names.APP
     assert not names.selector_labels(RELEASE).items() <= labels.items()
 
 
 def test_custom_values_reach_the_pod_and_webhook_off_leaves_no_trace(rendered):
     objs = rendered["custom"]
-    pod = only(objs, "Deployment")["spec"]["template"]["spec"]
+    pod = only(objs, "StatefulSet")["spec"]["template"]["spec"]
     container = operator_container(objs)
     image = CUSTOM_VALUES["image"]
     assert container["image"] == f"{image['repository']}:{image['tag']}"
@@ -203,7 +228,7 @@ def test_webhook_reaches_the_operator_for_our_resource(rendered):
     port = service_port(service, "webhook")
     assert target["port"] == port["port"] == 443 and port["targetPort"] == "webhook"
     assert container_ports(container)["webhook"] == int(container_env(container)["SPECDECODE_WEBHOOK_PORT"])
-    pod_labels = only(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = only(objs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     (rule,) = webhook["rules"]
     assert rule == {"apiGroups": [names.GROUP], "apiVersions": [names.VERSION], "operations": ["CREATE", "UPDATE"],
@@ -227,7 +252,7 @@ def openssl(*args: str) -> str:
 
 def test_helm_generated_certificate_is_trusted_and_names_the_service(rendered, tmp_path):
     objs = rendered["defaults"]
-    secret, service, deployment = only(objs, "Secret"), only(objs, "Service"), only(objs, "Deployment")
+    secret, service, operator = only(objs, "Secret"), only(objs, "Service"), only(objs, "StatefulSet")
     (webhook,) = only(objs, "ValidatingWebhookConfiguration")["webhooks"]
     assert secret["type"] == "kubernetes.io/tls"
     assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
@@ -239,7 +264,7 @@ def test_helm_generated_certificate_is_trusted_and_names_the_service(rendered, t
     key_modulus = openssl("rsa", "-in", str(key), "-noout", "-modulus")
     assert openssl("x509", "-in", str(cert), "-noout", "-modulus") == key_modulus
     # the pod mounts this Secret where SPECDECODE_WEBHOOK_CERT_DIR says
-    pod = deployment["spec"]["template"]["spec"]
+    pod = operator["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]]
     (mount,) = [m for m in operator_container(objs)["volumeMounts"] if m["name"] == volume["name"]]
     assert mount["mountPath"] == container_env(operator_container(objs))["SPECDECODE_WEBHOOK_CERT_DIR"]
@@ -258,7 +283,7 @@ def test_cert_manager_issues_the_secret_the_pod_mounts(rendered):
     assert certificate["spec"]["dnsNames"] == [f"{service['metadata']['name']}.{NAMESPACE}.svc"]
     assert certificate["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer"}
     assert issuer["spec"] == {"selfSigned": {}}
-    volumes = only(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    volumes = only(objs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "webhook-tls", "secret": {"secretName": certificate["spec"]["secretName"]}} in volumes
 
 
@@ -270,22 +295,25 @@ def test_cert_manager_with_the_users_issuer_creates_none(chart):
 
 # -- RBAC ----------------------------------------------------------------------------------------
 
-READ = ["get", "list", "watch"]
-MANAGE = [*READ, "create", "update", "patch", "delete"]
+# What the operator's code calls (kube.Cluster, kopf): applied kinds are listed, applied (create
+# when missing, patch) and deleted; the workloads are watched too (their readiness moves rollouts).
+APPLIED = ["list", "create", "patch", "delete"]
+WATCHED = ["list", "watch", "create", "patch", "delete"]
 EXPECTED_RULES = {
-    ("specdecode.io", "specdecodedeployments"): [*READ, "patch", "update"],
-    ("specdecode.io", "specdecodedeployments/status"): ["get", "patch", "update"],
-    ("apps", "deployments"): MANAGE,
-    ("apps", "statefulsets"): MANAGE,
-    ("", "services"): MANAGE,
-    ("policy", "poddisruptionbudgets"): MANAGE,
-    ("monitoring.coreos.com", "servicemonitors"): MANAGE,
-    ("leaderworkerset.x-k8s.io", "leaderworkersets"): MANAGE,
-    ("gateway.networking.k8s.io", "httproutes"): [*READ, "update", "patch"],
-    ("", "pods"): READ,
-    ("", "events"): ["create", "patch"],
-    ("", "namespaces"): ["list", "watch"],
-    ("apiextensions.k8s.io", "customresourcedefinitions"): READ,
+    ("specdecode.io", "specdecodedeployments"): ["get", "list", "watch", "patch"],
+    ("specdecode.io", "specdecodedeployments/status"): ["patch"],
+    ("specdecode.io", "specdecodedeployments/finalizers"): ["update"],  # blockOwnerDeletion on the children
+    ("apps", "deployments"): WATCHED,
+    ("apps", "statefulsets"): WATCHED,
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): WATCHED,
+    ("", "services"): APPLIED,
+    ("policy", "poddisruptionbudgets"): APPLIED,
+    ("monitoring.coreos.com", "servicemonitors"): APPLIED,
+    ("gateway.networking.k8s.io", "httproutes"): ["get", "patch"],
+    ("", "pods"): ["list", "watch"],
+    ("", "events"): ["create"],
+    ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
+    ("kopf.dev", "clusterkopfpeerings"): ["list", "watch", "patch"],
 }
 
 
@@ -327,7 +355,7 @@ def test_cluster_role_manages_every_kind_render_builds(rendered):
     for obj in built:
         group = obj["apiVersion"].rpartition("/")[0]
         resource = obj["kind"].lower() + "s"
-        assert set(MANAGE) <= set(grants.get((group, resource), [])), f"cannot manage {obj['kind']}"
+        assert set(APPLIED) <= set(grants.get((group, resource), [])), f"cannot manage {obj['kind']}"
 
 
 # -- monitoring: ServiceMonitor and dashboard ----------------------------------------------------
@@ -357,10 +385,14 @@ def test_dashboard_config_map_embeds_the_dashboard_file(rendered):
 # -- CRD, values table ---------------------------------------------------------------------------
 
 
-def test_chart_installs_the_generated_crd(chart):
-    (bundled,) = chart.crds
-    assert bundled["filename"] == f"{chart.name}/crds/{crd.CRD_FILE}"
-    assert yaml.safe_load(bundled["data"]) == crd.build_crd()
+def test_chart_installs_the_generated_crd_and_kopfs_peering_api(chart):
+    bundled = {Path(c["filename"]).name: yaml.safe_load(c["data"]) for c in chart.crds}
+    assert bundled.keys() == {crd.CRD_FILE, PEERING_CRD}
+    assert bundled[crd.CRD_FILE] == crd.build_crd()
+    peering = bundled[PEERING_CRD]
+    assert (peering["spec"]["group"], peering["spec"]["scope"], peering["spec"]["names"]["plural"]) == (
+        "kopf.dev", "Cluster", "clusterkopfpeerings")  # what kopf looks for with --all-namespaces
+    kubernetes_validate.validate(peering, KUBERNETES_VERSIONS[0], strict=True)
 
 
 def documented_values() -> dict[str, tuple[str, str]]:

@@ -6,7 +6,8 @@
   handed over first), while another manager's fields stay;
 - the multi-pod workload kind chosen once: LeaderWorkerSet registered mid-life starts no canary
   and leaves the traffic Service alone; the workload-kind annotation changes it through a rollout;
-- a child the API server refuses (here a field newer than the emulated 1.30 server) in status.
+- a child the API server refuses (here a field newer than the emulated 1.30 server) in status;
+- watches the API server filters by label.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kmock
 import kopf
 import pytest
 from operator_harness import (
@@ -28,6 +30,7 @@ from operator_harness import (
 )
 
 from specdecode.operator import names
+from specdecode.operator.controller import RUNTIME_POD_LABELS, WORKLOAD_LABELS
 from specdecode.operator.kube import MERGE_PATCH
 from specdecode.operator.render import render, revision
 from specdecode.operator.resolve import resolve
@@ -151,3 +154,13 @@ def test_a_child_the_api_server_refuses_shows_in_status_until_fixed(cluster: Clu
     assert "canaryRevision" not in cluster.status(NAME)
     wait_for(lambda: cluster.deployments(NAME)[names.workload_name(NAME, stable)].spec.replicas == 2,
              "every replica on the stable revision again")
+
+
+def test_the_api_server_filters_the_watches_by_label(cluster: Cluster) -> None:
+    assert cluster.server is not None
+    running_stable(cluster)
+    asked = {(str(r.resource), r.params.get("labelSelector")) for r in cluster.server
+             if r.action == kmock.action.WATCH and r.resource is not None}
+    assert (str(kmock.resource("apps/v1/deployments")), names.label_selector(WORKLOAD_LABELS)) in asked
+    assert (str(kmock.resource("apps/v1/statefulsets")), names.label_selector(WORKLOAD_LABELS)) in asked
+    assert (str(kmock.resource("v1/pods")), names.label_selector(RUNTIME_POD_LABELS)) in asked

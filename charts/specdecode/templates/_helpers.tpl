@@ -19,6 +19,11 @@ operator renders select pods by app.kubernetes.io/name=specdecode plus instance.
 {{- end }}
 {{- end }}
 
+{{/* The ClusterKopfPeering the operator's replicas share (kopf run --peering): one per release. */}}
+{{- define "specdecode.peeringName" -}}
+{{- include "specdecode.fullname" . }}
+{{- end }}
+
 {{- define "specdecode.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
