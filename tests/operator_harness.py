@@ -12,6 +12,7 @@ start and stop. ``RuntimeStandIn`` is a canary pod's runtime (``/metrics``),
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -27,12 +28,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
+import helm_python as helm
+import kmock
 import kopf
 import kubernetes
 import pytest
 import yaml
 from kopf.testing import KopfRunner
-from kube_emulator import ApiServer, serve
+from kube_emulator import APPLY_PATCH, ApiServer, serve
 from local_process import free_port
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -43,6 +46,7 @@ HANDLERS = "specdecode.operator.handlers"
 T = TypeVar("T")
 Obj = dict[str, Any]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CHART = Path(__file__).resolve().parents[1] / "charts" / "specdecode"
 NS = "llm"
 FAST_ANALYSIS = {"interval": "1s", "window": "2s", "minAcceptanceRate": 0.5, "maxP95InterTokenLatencyMs": 250,
                  "failureLimit": 2}
@@ -250,13 +254,57 @@ def emulated_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
         monkeypatch.setenv("SPECDECODE_METRICS_PORT", str(metrics_port))
         monkeypatch.delenv("SPECDECODE_WEBHOOK_PORT", raising=False)
         with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
+            client.user_agent = TEST_CLIENT
             cluster = Cluster(client, url, metrics_port, liveness_port, server)
             cluster.start_operator()
             try:
                 yield cluster
             finally:
                 cluster.stop_operator()
-    print("\n".join(cluster.operator_logs)[-20000:])  # the operator's log, shown when the test fails
+                print("\n".join(cluster.operator_logs)[-20000:])  # the operator's log, shown when the test fails
+            assert_granted(server)
+
+
+# -- RBAC: what the operator asked the emulator for, against the chart's ClusterRole -------------
+
+TEST_CLIENT = "specdecode-tests"  # the tests' own User-Agent; the operator's are kopf's and OpenAPI-Generator's
+Permission = tuple[str, str, str]  # (API group, resource[/subresource], verb)
+_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def requested_permissions(server: ApiServer) -> set[Permission]:
+    """What each request of the operator to ``server`` needs from RBAC (discovery needs nothing)."""
+    needed: set[Permission] = set()
+    for request in server:
+        if request.resource is None or request.resource.plural is None or request.headers.get(
+                "User-Agent", "").startswith(TEST_CLIENT):
+            continue
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        needed |= {(request.resource.group, resource, verb) for verb in _rbac_verbs(request)}
+    return needed
+
+
+def _rbac_verbs(request: kmock.Request) -> set[str]:
+    if request.method == "GET":
+        return {"watch" if request.action == kmock.action.WATCH else "get" if request.name else "list"}
+    if request.headers.get("Content-Type", "").startswith(APPLY_PATCH):
+        return {"patch", "create"}  # an apply creates what does not exist
+    return {_VERBS[request.method]}
+
+
+@functools.cache
+def chart_permissions() -> frozenset[Permission]:
+    """What the chart's ClusterRole grants, as it renders with its default values."""
+    manifests = helm.Chart.load(CHART).render({}, name="specdecode", namespace="specdecode-system", is_install=True)
+    (role,) = [o for text in manifests.values() for o in yaml.safe_load_all(text) if o and o["kind"] == "ClusterRole"]
+    return frozenset((group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+                     for resource in rule["resources"] for verb in rule["verbs"])
+
+
+def assert_granted(server: ApiServer) -> None:
+    """Every request the operator made would have passed the chart's RBAC."""
+    denied = requested_permissions(server) - chart_permissions()
+    assert not denied, f"the chart's ClusterRole does not grant what the operator asked for: {sorted(denied)}"
 
 
 def crd_of(group: str, version: str, kind: str, plural: str) -> Obj:

@@ -17,6 +17,7 @@ from typing import Any
 
 import kmock
 import kopf
+import kubernetes
 import pytest
 from operator_harness import (
     NS,
@@ -68,15 +69,18 @@ def test_children_an_earlier_version_merge_patched_lose_what_is_no_longer_render
     cluster.create(body)
     owner = cluster.get(NAME)
     r = resolve(owner).resolved
+    # the earlier version's client: the kubernetes client's default User-Agent, no fieldManager
+    earlier = kubernetes.client.ApiClient(cluster.core.api_client.configuration)
+    core, custom = kubernetes.client.CoreV1Api(earlier), kubernetes.client.CustomObjectsApi(earlier)
     for child in render(r):
         kopf.adopt(child, owner=owner)
         if child["kind"] == "Service":
-            cluster.core.create_namespaced_service(NS, child)
+            core.create_namespaced_service(NS, child)
         else:
-            cluster.custom.create_namespaced_custom_object("apps", "v1", NS, "deployments", child)
+            custom.create_namespaced_custom_object("apps", "v1", NS, "deployments", child)
     # what the earlier version's spec rendered then: an annotation, a label, a selector key
-    cluster.core.patch_namespaced_service(NAME, NS, {"metadata": {"annotations": {"gone": "x"}, "labels": {"gone": "x"}},
-                                                     "spec": {"selector": {"gone": "x"}}}, _content_type=MERGE_PATCH)
+    core.patch_namespaced_service(NAME, NS, {"metadata": {"annotations": {"gone": "x"}, "labels": {"gone": "x"}},
+                                             "spec": {"selector": {"gone": "x"}}}, _content_type=MERGE_PATCH)
     cluster.core.patch_namespaced_service(NAME, NS, {"metadata": {"annotations": {"team": "ml"}}},
                                           field_manager="kubectl-annotate", _content_type=MERGE_PATCH)
     rev = revision(r)
