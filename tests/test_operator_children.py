@@ -149,7 +149,7 @@ def test_a_child_the_api_server_refuses_shows_in_status_until_fixed(cluster: Clu
     assert ready["status"] == "False"
     assert ready["message"].startswith(f"Deployment {names.workload_name(NAME, canary)}: Deployment.apps")
     assert "'image' was unexpected" in ready["message"]  # the API server's own words
-    assert ("Warning", "ChildRefused", ready["message"]) in cluster.events(NAME)
+    wait_for(lambda: ("Warning", "ChildRefused", ready["message"]) in cluster.events(NAME), "a ChildRefused Event")
     assert healthy(cluster.liveness_url)
     assert set(cluster.deployments(NAME)) == {names.workload_name(NAME, stable)}  # the stable revision serves on
 
