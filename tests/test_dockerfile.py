@@ -117,16 +117,21 @@ def test_operator_image_has_no_torch(stages):
 def chart_operator_pod() -> dict:
     manifests = helm.Chart.load(REPO / "charts" / "specdecode").render({}, name="specdecode", namespace="sd",
                                                                         is_install=True)
-    (deployment,) = [d for text in manifests.values() for d in yaml.safe_load_all(text)
-                     if d and d["kind"] == "Deployment"]
-    return deployment["spec"]["template"]["spec"]
+    (operator,) = [d for text in manifests.values() for d in yaml.safe_load_all(text)
+                   if d and d["kind"] == "StatefulSet"]
+    return operator["spec"]["template"]["spec"]
 
 
 def test_operator_image_runs_the_charts_command_as_the_charts_user(stages):
+    """The image's command is the chart's, except that a container started alone (``docker run``)
+    runs standalone where the chart's replicas meet in their kopf peering."""
     operator, pod = stages["operator"], chart_operator_pod()
     (container,) = pod["containers"]
     assert not operator.arguments("ENTRYPOINT")
-    assert exec_form(operator, "CMD") == container["command"]
+    chart = [arg for arg in container["command"] if not arg.startswith("--peering=")]
+    assert len(chart) == len(container["command"]) - 1  # the chart's replicas peer
+    image = exec_form(operator, "CMD")
+    assert [arg for arg in image if arg != "--standalone"] == chart and "--standalone" in image
     uid, _, gid = operator.arguments("USER")[-1].partition(":")
     assert int(uid) == pod["securityContext"]["runAsUser"] and int(gid) == pod["securityContext"]["runAsGroup"]
 
