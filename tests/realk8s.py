@@ -50,18 +50,25 @@ TEST_USER_AGENT = "specdecode-realk8s-tests"  # the tests' own requests, told ap
 # Without the node, cloud, service, route and workload controllers: no kubelet runs here.
 CONTROLLERS = "garbagecollector,namespace,serviceaccount,serviceaccount-token"
 ADMISSION_PLUGINS = "OwnerReferencesPermissionEnforcement"
-# Other projects' APIs the operator uses, served as a cluster with them installed serves them (open
-# schemas). LeaderWorkerSet is left out: a cluster gains it mid-life (issue 19 item 2).
-OTHER_CRDS = (crd_of("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
-              crd_of("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"))
-# A *.k8s.io group's CRD must say whether its API was approved; the real Gateway API's links its review.
-for _crd in OTHER_CRDS:
-    if _crd["spec"]["group"].endswith(".k8s.io"):
-        _crd["metadata"]["annotations"] = {"api-approved.kubernetes.io": "unapproved, a test's open-schema stand-in"}
 AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
                 "rules": [{"level": "Metadata"}]}
 T = TypeVar("T")
 Obj = dict[str, Any]
+
+
+def other_project_crd(group: str, version: str, kind: str, plural: str) -> Obj:
+    """Another project's API with an open schema (``crd_of``); a ``*.k8s.io`` group's CRD must say
+    whether its API was approved (the real Gateway API's links its review)."""
+    crd = crd_of(group, version, kind, plural)
+    if group.endswith(".k8s.io"):
+        crd["metadata"]["annotations"] = {"api-approved.kubernetes.io": "unapproved, a test's open-schema stand-in"}
+    return crd
+
+
+# Other projects' APIs the operator uses, served as a cluster with them installed serves them.
+# LeaderWorkerSet is left out: a cluster gains it mid-life (issue 19 item 2).
+OTHER_CRDS = (other_project_crd("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
+              other_project_crd("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"))
 
 
 # -- binaries -------------------------------------------------------------------------------------
