@@ -37,7 +37,7 @@ from specdecode.operator import names
 from specdecode.operator.resolve import resolve
 
 # The control plane's start (and a cold build) have deadlines of their own.
-pytestmark = pytest.mark.timeout(180, func_only=True)
+pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(180, func_only=True)]
 
 WEBHOOK = "validate.specdecodedeployments.specdecode.io"
 GARBAGE_COLLECTOR = "system:serviceaccount:kube-system:generic-garbage-collector"
