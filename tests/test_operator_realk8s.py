@@ -103,12 +103,26 @@ class RealCluster(Cluster):
             denials = self.operator_denials()
             if denials:
                 raise Denied("the API server refused the operator:\n" + "\n".join(denials))
-            failures = HANDLER_FAILED.findall(self.operator.log()[self.log_from:])
-            if failures:
-                raise HandlerFailed("\n".join(failures))
+            self.check_handlers()
             return check()
 
         return wait_until(checked, what, self.plane.processes, timeout=timeout)
+
+    def check_handlers(self) -> None:
+        """Fail with the error if one of the operator's handlers failed during this test."""
+        failures = HANDLER_FAILED.findall(self.operator.log()[self.log_from:])
+        if failures:
+            raise HandlerFailed("\n".join(failures))
+
+    def settled(self, name: str) -> None:
+        """Once the operator has reconciled ``name``'s latest spec (it writes the status last): no
+        handler failed on the way."""
+        def reconciled() -> bool:
+            body = self.get(name)
+            return (body.get("status") or {}).get("observedGeneration") == body["metadata"]["generation"]
+
+        self.until(reconciled, f"{name}'s latest spec reconciled")
+        self.check_handlers()
 
 
 class Workloads:
@@ -261,6 +275,7 @@ def test_a_resource_gets_owned_children_and_a_status(cluster: RealCluster, workl
     cluster.until(lambda: cluster.condition("created", "Ready").get("status") == "True", "Ready=True")
     cluster.until(lambda: ("Normal", "Deployed") in {(t, r) for t, r, _ in cluster.events("created")},
                   "the Deployed Event")
+    cluster.settled("created")
 
 
 def test_a_good_canary_is_promoted_and_the_old_revision_deleted(cluster: RealCluster, workloads: Workloads,
@@ -284,6 +299,7 @@ def test_a_good_canary_is_promoted_and_the_old_revision_deleted(cluster: RealClu
     deletes = [e for e in cluster.operator_requests() if e["verb"] == "delete"
                and e["objectRef"].get("name") == names.workload_name("promoted", stable)]
     assert deletes and all(e["responseStatus"]["code"] == 200 for e in deletes)
+    cluster.settled("promoted")
 
 
 @SERVICE_DELETE_ANSWERS_A_STATUS
@@ -322,6 +338,7 @@ def test_a_canary_behind_an_httproute_and_a_servicemonitor(cluster: RealCluster,
     cluster.until(lambda: not monitors(), "the ServiceMonitor deleted")
     cluster.until(lambda: {c["metadata"]["name"] for c in cluster.children("routed") if c["kind"] == "Service"}
                   == {names.service_name("routed")}, "the route's Services deleted")
+    cluster.settled("routed")
 
 
 @SERVICE_DELETE_ANSWERS_A_STATUS
@@ -346,6 +363,7 @@ def test_a_pipeline_layout_runs_a_statefulset_group_per_replica(cluster: RealClu
     assert groups() == headless() == {names.group_name("grouped", stable, g) for g in (0, 1)}
     cluster.patch("grouped", {"spec": {"replicas": 1}})
     cluster.until(lambda: groups() == headless() == {names.group_name("grouped", stable, 0)}, "the second group deleted")
+    cluster.settled("grouped")
 
 
 def test_the_garbage_collector_deletes_the_children_of_a_deleted_resource(cluster: RealCluster) -> None:
