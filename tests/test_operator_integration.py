@@ -243,8 +243,8 @@ def test_good_canary_is_promoted_step_by_step(cluster: Cluster, stand_ins: list[
     assert status["acceptance"]["revision"] == canary and status["acceptance"]["rate"] == pytest.approx(0.8)
     (deployment,) = cluster.deployments("smollm2-ngram").values()
     assert deployment.metadata.name == names.workload_name("smollm2-ngram", canary) and deployment.spec.replicas == 2
-    reasons = [r for _, r, _ in cluster.events("smollm2-ngram")]
-    assert {"RolloutStarted", "StepReached", "StepPassed", "Promoted"} <= set(reasons)
+    wanted = {"RolloutStarted", "StepReached", "StepPassed", "Promoted"}  # kopf posts Events after the status
+    wait_for(lambda: wanted <= {r for _, r, _ in cluster.events("smollm2-ngram")}, "the rollout's Events")
     exposed = cluster.operator_metrics()
     assert f'{metrics.ANALYSIS_RUNS}{{name="smollm2-ngram",namespace="{NS}",result="pass"}}' in exposed
     assert (f'{metrics.ACCEPTANCE_RATE}{{name="smollm2-ngram",namespace="{NS}",revision="{canary}"}} 0.8'
