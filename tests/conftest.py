@@ -569,3 +569,12 @@ def smol_rep(smollm2):
 def smol_nospec(smollm2, smol_rep, make_engine, run_all, rep_greedy):
     """The no-speculation greedy outputs of ``smol_rep`` as one batch: what every proposer must equal."""
     return run_all(make_engine(smollm2.model, smollm2.tokenizer), smol_rep, rep_greedy)
+
+
+@pytest.fixture
+def stand_ins():
+    """``operator_harness.HttpStandIn``s a test starts (it appends them); closed after it."""
+    started = []
+    yield started
+    for stand_in in started:
+        stand_in.close()

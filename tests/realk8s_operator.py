@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import kubernetes.dynamic
 import pytest
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from local_process import free_port
+from operator_harness import healthy
 from realk8s import ControlPlane, Process, make_ca, make_serving_cert, wait_until, write_kubeconfig
 from test_chart import CHART, NAMESPACE, render
 
@@ -217,21 +217,13 @@ def start_operator(plane: ControlPlane, release: Release, root: Path, ordinal: i
     process = Process.start("operator", command, root / "operator.log", env=env, cwd=root)
     operator = Operator(process, release)
     try:
-        wait_until(lambda: _answers(operator.liveness_url), "the operator's liveness endpoint",
+        wait_until(lambda: healthy(operator.liveness_url), "the operator's liveness endpoint",
                    [process, *plane.processes])
         wait_until(lambda: _listening(release.webhook_port), "the operator's webhook port", [process])
     except BaseException:
         process.stop()
         raise
     return operator
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def _listening(port: int) -> bool:

@@ -47,15 +47,6 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
         yield running
 
 
-@pytest.fixture
-def stand_ins() -> Iterator[list[HttpStandIn]]:
-    """Stand-ins a test starts; closed after it."""
-    started: list[HttpStandIn] = []
-    yield started
-    for stand_in in started:
-        stand_in.close()
-
-
 # -- tests ---------------------------------------------------------------------------------------
 
 

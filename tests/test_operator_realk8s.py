@@ -185,14 +185,6 @@ def workloads(cluster: RealCluster) -> Iterator[Workloads]:
     stand_in.stop()
 
 
-@pytest.fixture
-def stand_ins() -> Iterator[list[HttpStandIn]]:
-    started: list[HttpStandIn] = []
-    yield started
-    for stand_in in started:
-        stand_in.close()
-
-
 @pytest.fixture(autouse=True)
 def operator_log(request: pytest.FixtureRequest) -> Iterator[None]:
     """The operator's log written during a test: checked for handler failures, shown if the test fails."""
