@@ -222,13 +222,16 @@ class Cluster:
         return True
 
     def delete(self, obj: Mapping[str, Any]) -> None:
+        """Delete ``obj``; its answer is not parsed (an API server before 1.23 answers a Service
+        DELETE with a Status, which the client would fail to read as a Service)."""
         kind, meta = kind_of(obj), obj["metadata"]
         with _gone_is_fine():  # already gone is what we wanted
             if kind.group:
-                self._custom.delete_namespaced_custom_object(
-                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"])
+                answer = self._custom.delete_namespaced_custom_object(
+                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], _preload_content=False)
             else:
-                self._core.delete_namespaced_service(meta["name"], meta["namespace"])
+                answer = self._core.delete_namespaced_service(meta["name"], meta["namespace"], _preload_content=False)
+            answer.drain_conn()
 
     def pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
         return self.list(POD, namespace, names.label_selector(dict(labels)))

@@ -9,6 +9,21 @@ import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The real control plane tier's fixtures (tests/README.md), for every test module that asks.
+pytest_plugins = ("realk8s", "realk8s_operator", "realk8s_cluster")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``after_realk8s_tier`` read what the operator did across the real control
+    plane tier: they run right after its last other test."""
+    last = [item for item in items if item.get_closest_marker("after_realk8s_tier")]
+    if not last:
+        return
+    rest = [item for item in items if item not in last]
+    tier = [i for i, item in enumerate(rest) if item.get_closest_marker("realk8s")]
+    at = tier[-1] + 1 if tier else len(rest)
+    items[:] = rest[:at] + last + rest[at:]
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> "os.PathLike[str]":
