@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import ssl
@@ -85,17 +84,6 @@ class Binaries:
         """The minor version a Kubernetes binary reports (``Kubernetes v1.20.2`` → 20)."""
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, check=True)
         return int(out.stdout.split()[-1].lstrip("v").split(".")[1])
-
-
-def apiserver_minor() -> int:
-    """The API server's minor version, known before it starts (for xfail conditions):
-    ``$KUBEBUILDER_ASSETS``' kube-apiserver, else the version scripts/build_kube.sh builds."""
-    assets = os.environ.get("KUBEBUILDER_ASSETS")
-    if assets and (Path(assets) / "kube-apiserver").is_file():
-        return Binaries.minor(Path(assets) / "kube-apiserver")
-    built = re.search(r"^KUBE_VERSION=v1\.(\d+)\.", BUILD_SCRIPT.read_text(), re.MULTILINE)
-    assert built, f"no KUBE_VERSION in {BUILD_SCRIPT}"
-    return int(built[1])
 
 
 def build(log: Path) -> Path:
