@@ -34,8 +34,6 @@ def test_the_operator_was_never_denied(operator_requests: list[Obj]) -> None:
         raise Denied("\n".join(denials))
 
 
-@pytest.mark.xfail(strict=True, raises=Unused, reason=(
-    "issue 19 items 2 and 4: LeaderWorkerSet's verbs wait for the scenario that registers its CRD mid-life"))
 def test_every_verb_the_chart_grants_was_used(cluster: RealCluster, operator_requests: list[Obj],
                                               release: Release) -> None:
     used = set().union(*map(permissions, operator_requests))
