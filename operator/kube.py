@@ -11,6 +11,7 @@ patch under the same manager, which leaves the fields it does not name to whoeve
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.parse
 import urllib.request
@@ -30,7 +31,8 @@ Obj = dict[str, Any]
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # its body may be JSON, which is YAML
-DISCOVERY_TTL_SECONDS = 60.0
+DISCOVERY_TTL_SECONDS = 60.0  # how long the served APIs are trusted
+UNSERVED_RECHECK_SECONDS = 5.0  # how soon an API the cluster lacked is looked for again
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,12 @@ class Cluster:
     # -- discovery -------------------------------------------------------------------------------
 
     def serves(self, api_version: str) -> bool:
-        """Whether the cluster serves ``group/version`` (discovery, cached for a minute)."""
+        """Whether the cluster serves ``group/version``: discovery, trusted for a minute, except that
+        an API it lacked is looked for again after a few seconds, so that one installed mid-life
+        (LeaderWorkerSet) is used from the next reconciliation on."""
         now = time.monotonic()
-        if self._served is None or now - self._served[0] > DISCOVERY_TTL_SECONDS:
+        age = now - self._served[0] if self._served else math.inf
+        if age > DISCOVERY_TTL_SECONDS or (age > UNSERVED_RECHECK_SECONDS and api_version not in self._served[1]):
             groups = kubernetes.client.ApisApi(self.api).get_api_versions().groups
             self._served = (now, frozenset({"v1"} | {v.group_version for g in groups for v in g.versions}))
         return api_version in self._served[1]

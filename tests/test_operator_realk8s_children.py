@@ -250,16 +250,16 @@ class SelectorWatch:
 
 
 def outlast_the_operators_discovery(cluster: RealCluster) -> None:
-    """Until the LeaderWorkerSet API has been established for longer than the operator's discovery
-    cache lives (``kube.DISCOVERY_TTL_SECONDS``, and a margin for the API server's own discovery),
-    so that the operator's next reconciliation sees the API served."""
+    """Until the LeaderWorkerSet API has been established for longer than the operator waits before
+    it looks for an API it lacked again (``kube.UNSERVED_RECHECK_SECONDS``, and a margin for the API
+    server's own discovery), so that the operator's next reconciliation sees the API served."""
     api = kubernetes.client.ApiextensionsV1Api(cluster.apps.api_client)
 
     def established_long_enough() -> bool:
         crd = api.read_custom_resource_definition(f"{LWS.plural}.{LWS.group}")
         (established,) = [c for c in crd.status.conditions if c.type == "Established" and c.status == "True"]
         age = datetime.now(timezone.utc) - established.last_transition_time
-        return age.total_seconds() > kube.DISCOVERY_TTL_SECONDS + DISCOVERY_MARGIN_SECONDS
+        return age.total_seconds() > kube.UNSERVED_RECHECK_SECONDS + DISCOVERY_MARGIN_SECONDS
 
     cluster.until(established_long_enough, "the operator's discovery to expire", timeout=ROLLOUT_SECONDS)
 
@@ -366,8 +366,8 @@ def test_leader_worker_set_registered_mid_life_changes_nothing_until_asked_for(
 
 @pytest.fixture
 def leader_worker_set_api(cluster: RealCluster) -> None:
-    """The LeaderWorkerSet API served (registered here unless an earlier test did), longer than
-    the operator's discovery cache lives."""
+    """The LeaderWorkerSet API served (registered here unless an earlier test did), long enough
+    for the operator's next reconciliation to see it."""
     if not leader_worker_sets_served(cluster):
         install_crds(cluster.apps.api_client, [leader_worker_set_crd()], cluster.plane.processes)
     outlast_the_operators_discovery(cluster)

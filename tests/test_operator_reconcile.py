@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kopf
 import pytest
 from prometheus_client import generate_latest
 
-from specdecode.operator import metrics, names
+from specdecode.operator import kube, metrics, names
 from specdecode.operator.analysis import MetricSnapshot
 from specdecode.operator.controller import (
     Memory,
@@ -67,6 +68,7 @@ def resolved(**spec: Any) -> Resolved:
 OWNER = {"apiVersion": names.API_VERSION, "kind": names.KIND,
          "metadata": {"name": "demo", "namespace": "llm", "uid": "owner-uid", "labels": {"team": "ml"}}}
 DEPLOYMENT, STATEFUL_SET, LWS = WorkloadKind.DEPLOYMENT, WorkloadKind.STATEFUL_SET, WorkloadKind.LEADER_WORKER_SET
+LWS_API = kube.LEADER_WORKER_SET.api_version
 
 
 def live(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -226,6 +228,36 @@ def test_the_multi_pod_kind_is_chosen_once_then_kept_until_asked_for_another() -
     assert kind is STATEFUL_SET and "does not serve leaderworkerset.x-k8s.io/v1" in warnings[0]
     kind, warnings = desired_kind(multi, LWS, "Deployment", served)
     assert kind is LWS and "neither StatefulSet nor LeaderWorkerSet" in warnings[0]
+
+
+def test_discovery_looks_again_soon_for_an_api_the_cluster_lacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An API installed mid-life is seen within ``UNSERVED_RECHECK_SECONDS``; what is served is
+    trusted for ``DISCOVERY_TTL_SECONDS``."""
+    now, asked, served = [0.0], [], [{"apps/v1"}, {"apps/v1", LWS_API}]
+
+    class Apis:
+        def __init__(self, api: object) -> None:
+            pass
+
+        def get_api_versions(self) -> SimpleNamespace:
+            asked.append(now[0])
+            versions = served[min(len(asked), len(served)) - 1]
+            return SimpleNamespace(groups=[SimpleNamespace(versions=[SimpleNamespace(group_version=v)])
+                                           for v in versions])
+
+    monkeypatch.setattr(kube.kubernetes.client, "ApisApi", Apis)
+    monkeypatch.setattr(kube.time, "monotonic", lambda: now[0])
+    cluster = kube.Cluster()
+    cluster.__dict__["api"] = object()  # cached_property: no connection
+    assert not cluster.serves(LWS_API) and cluster.serves("apps/v1") and asked == [0.0]
+    now[0] = kube.UNSERVED_RECHECK_SECONDS / 2
+    assert not cluster.serves(LWS_API) and asked == [0.0]
+    now[0] = kube.UNSERVED_RECHECK_SECONDS + 1
+    assert cluster.serves(LWS_API) and len(asked) == 2  # installed since: seen now
+    now[0] += kube.DISCOVERY_TTL_SECONDS / 2
+    assert cluster.serves(LWS_API) and cluster.serves("v1") and len(asked) == 2
+    now[0] += kube.DISCOVERY_TTL_SECONDS
+    assert cluster.serves("apps/v1") and len(asked) == 3
 
 
 def test_what_runs_is_read_from_status_else_from_the_stable_revisions_workloads() -> None:
