@@ -8,9 +8,11 @@ Pure (no I/O). Two sources, one ``Measurement``:
   consecutive samples inside the window (the baseline is the pod's oldest sample not older than
   the window), so a pod restart inside the window (counters back to zero) costs only the
   increase before the restart, as Prometheus' ``increase()`` does. It is None until some pod has
-  two samples in the window: the shell then has no verdict to give.
+  two samples in the window: the shell then has no verdict to give. When ready canary pods run
+  but none answers, the window is inconclusive (``without_data``), as one without traffic is.
 - **Prometheus** (``analysis.prometheus.url``): the shell sends ``prometheus_queries(...)`` to
-  ``/api/v1/query`` and hands the ``data.result`` lists to ``measurement_from_prometheus``.
+  ``/api/v1/query`` and hands the ``data.result`` lists to ``measurement_from_prometheus``; a
+  Prometheus that does not answer gives an inconclusive window too.
 
 ``judge(measurement, analysis)`` compares it with the SLO: FAIL on any breach, INCONCLUSIVE when
 a configured SLO had no data (no drafts for the acceptance SLOs, no requests at all), else PASS;
@@ -319,6 +321,12 @@ def judge(measurement: Measurement, analysis: Analysis, *, speculative: bool = T
     reasons = tuple(text for r, text in done if r is result) or (f"{m.requests:.0f} requests, no SLO set",)
     window, interval = duration_seconds(analysis.window), duration_seconds(analysis.interval)
     return Verdict(result, reasons, m, complete=m.seconds >= window - interval)
+
+
+def without_data(revision: str, reason: str, now: datetime) -> Verdict:
+    """The verdict on a window in which the source gave nothing (no canary pod answered, or
+    Prometheus did not): inconclusive, as a window without traffic is."""
+    return Verdict(Result.INCONCLUSIVE, (reason,), Measurement(revision, MetricSnapshot(), now, now), complete=False)
 
 
 def measured_acceptance(measurement: Measurement) -> MeasuredAcceptance:

@@ -41,6 +41,7 @@ from specdecode.operator.analysis import (
     measurement_from_prometheus,
     parse_metrics,
     prometheus_queries,
+    without_data,
 )
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
@@ -345,9 +346,9 @@ def _analyse(ctx: Context, r: Resolved, status: SpecDecodeDeploymentStatus, now:
             measurement: Measurement | None = measurement_from_prometheus(results, canary, now, analysis.window)
         else:
             measurement = _scrape(ctx, r, canary, now, logger, lws=lws)
-    except kube.ScrapeError as exc:
-        logger.warning("analysis of %s skipped: %s", canary, exc)
-        return None
+    except kube.ScrapeError as exc:  # a window without data counts towards inconclusiveLimit, as one without traffic
+        logger.warning("analysis of %s without data: %s", canary, exc)
+        return without_data(canary, str(exc), now)
     if measurement is None:
         return None
     return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE)
@@ -355,16 +356,21 @@ def _analyse(ctx: Context, r: Resolved, status: SpecDecodeDeploymentStatus, now:
 
 def _scrape(ctx: Context, r: Resolved, canary: str, now: datetime, logger: logging.Logger, *,
             lws: bool) -> Measurement | None:
-    """Sample every running canary pod's ``/metrics``; the increase over the window so far."""
+    """Sample every running canary pod's ``/metrics``; the increase over the window so far.
+    Raises ``kube.ScrapeError`` when ready canary pods run but none could be sampled."""
     window = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.window))
     pods = ctx.cluster.pods(r.namespace, {**serving_selector(r, leader_worker_set=lws), names.LABEL_REVISION: canary})
     history = ctx.memory.history(r.namespace, r.name, canary)
-    for pod, url in scrape_targets(pods):
+    targets, failures = list(scrape_targets(pods)), []
+    for pod, url in targets:
         try:
             snapshot = parse_metrics(kube.fetch(url, SCRAPE_TIMEOUT_SECONDS))
         except (kube.ScrapeError, ValueError) as exc:  # unreachable, or not a Prometheus exposition
             logger.warning("canary pod %s not sampled: %s", pod, exc)
+            failures.append(f"pod {pod}: {exc}")
             continue
         history = history.record(pod, now, snapshot, keep=window)
     ctx.memory.keep(r.namespace, r.name, history)
+    if targets and len(failures) == len(targets):
+        raise kube.ScrapeError("no canary pod answered /metrics: " + "; ".join(failures))
     return history.measure(now, window)

@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -135,16 +135,30 @@ class Process:
     """A server process in its own process group, its output in ``log``."""
 
     name: str
-    popen: subprocess.Popen
+    argv: list[str]
     log: Path
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
+    popen: subprocess.Popen = field(init=False)
 
     @classmethod
     def start(cls, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None,
               cwd: Path | None = None) -> Process:
-        with log.open("wb") as out:
-            popen = subprocess.Popen([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     cwd=cwd, start_new_session=True)
-        return cls(name, popen, log)
+        process = cls(name, [str(a) for a in argv], log, env, cwd)
+        process._spawn("wb")
+        return process
+
+    def start_again(self) -> None:
+        """Once stopped: the same command and environment again, its output appended to ``log``
+        (one growing text, so that offsets into it stay valid)."""
+        if self.popen.poll() is None:
+            raise AssertionError(f"{self.name} is still running")
+        self._spawn("ab")
+
+    def _spawn(self, mode: str) -> None:
+        with self.log.open(mode) as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                          cwd=self.cwd, start_new_session=True)
 
     def check_alive(self) -> None:
         if self.popen.poll() is not None:
@@ -162,6 +176,14 @@ class Process:
                 break
             except subprocess.TimeoutExpired:
                 continue
+
+    def kill(self) -> None:
+        """SIGKILL to the group: no clean exit, as when a node is lost."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=STOP_TIMEOUT_SECONDS)
 
 
 def wait_until(check: Callable[[], T], what: str, processes: Sequence[Process] = (),

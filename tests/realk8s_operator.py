@@ -12,7 +12,10 @@ kube-proxy routes a Service here. The workload is created, but no kubelet runs i
 operator runs here as a process with the container's command and environment (the downward API's
 pod name filled in), the Secret's files where the pod mounts them, and a kubeconfig holding a
 token of the chart's ServiceAccount (TokenRequest API), so that the API server authenticates it as
-``system:serviceaccount:<namespace>:<name>`` and RBAC applies.
+``system:serviceaccount:<namespace>:<name>`` and RBAC applies. The session's operator is the
+StatefulSet's ordinal 0; a test may start ordinal 1 beside it (its own ports: one host here, a
+network namespace per pod there), and stop, kill and start a replica again (its log grows on).
+The release's ``peering.lifetimeSeconds`` is ``PEERING_LIFETIME_SECONDS``.
 
 ``permissions``, ``granted``, ``unprovable`` and ``denied`` read least privilege off the audit log: which (group,
 resource, verb) the operator's user used, which were denied, against what the ClusterRole grants.
@@ -48,6 +51,26 @@ INSTALL_ORDER = ("Namespace", "PodDisruptionBudget", "ServiceAccount", "Secret",
                  "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment", "StatefulSet")
 WORKLOADS = ("Deployment", "StatefulSet")
 VENV_BIN = Path(sys.executable).parent
+# The chart's peering.lifetimeSeconds (default 60), a value a user may set: how long a replica killed
+# without a word holds the standby back. Shorter here so that a failover takes seconds, long enough
+# that a keepalive (every lifetime - 5..10 s) is not missed on a busy machine.
+PEERING_LIFETIME_SECONDS = 20
+
+
+@dataclass(frozen=True)
+class Ports:
+    """An operator pod's health (liveness), metrics and webhook ports: the chart's values."""
+
+    health: int
+    metrics: int
+    webhook: int
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(free_port(), free_port(), free_port())
+
+    def values(self) -> Obj:
+        return {"ports": {"health": self.health, "metrics": self.metrics}, "webhook": {"port": self.webhook}}
 
 
 @dataclass(frozen=True)
@@ -57,6 +80,11 @@ class Release:
     health_port: int
     metrics_port: int
     webhook_port: int
+    values: Obj  # what the chart was rendered with
+
+    @property
+    def ports(self) -> Ports:
+        return Ports(self.health_port, self.metrics_port, self.webhook_port)
 
     def only(self, kind: str) -> Obj:
         (obj,) = [o for o in self.objects if o["kind"] == kind]
@@ -83,6 +111,15 @@ class Release:
     @property
     def container(self) -> Obj:
         (container,) = self.pod["containers"]
+        return container
+
+    def container_with(self, ports: Ports) -> Obj:
+        """The operator container as the chart renders it with other ports (and the same values else)."""
+        if ports == self.ports:
+            return self.container
+        (workload,) = [o for o in render(helm.Chart.load(CHART), {**self.values, **ports.values()})
+                       if o["kind"] in WORKLOADS]
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
         return container
 
     def pod_name(self, ordinal: int = 0) -> str:
@@ -127,15 +164,15 @@ def install(client: kubernetes.client.ApiClient, objects: list[Obj], discovery_c
 
 
 def install_chart(plane: ControlPlane, root: Path) -> Release:
-    health, metrics, webhook = free_port(), free_port(), free_port()
-    values = {"ports": {"health": health, "metrics": metrics}, "webhook": {"port": webhook}}
+    ports = Ports.free()
+    values = {**ports.values(), "peering": {"lifetimeSeconds": PEERING_LIFETIME_SECONDS}}
     ca = make_ca(root / "webhook-ca", "specdecode-webhook-ca")
     tls = make_serving_cert(root / "webhook-ca", ca)
-    objects = webhook_by_url(render(helm.Chart.load(CHART), values), webhook, ca[0].read_bytes(),
+    objects = webhook_by_url(render(helm.Chart.load(CHART), values), ports.webhook, ca[0].read_bytes(),
                              (tls[0].read_bytes(), tls[1].read_bytes()))
     with plane.client() as client:
         unserved = install(client, objects, root / "discovery.json")
-    return Release(objects, unserved, health, metrics, webhook)
+    return Release(objects, unserved, ports.health, ports.metrics, ports.webhook, values)
 
 
 # -- the operator ---------------------------------------------------------------------------------
@@ -143,23 +180,57 @@ def install_chart(plane: ControlPlane, root: Path) -> Release:
 
 @dataclass
 class Operator:
+    """One replica of the chart's StatefulSet, a process here listening on ``ports``; it can be
+    stopped (SIGTERM) or killed (SIGKILL) and started again."""
+
     process: Process
     release: Release
+    ports: Ports
+    plane: ControlPlane
+    run_from: int = 0  # where the log of its latest start begins
 
     @property
     def liveness_url(self) -> str:
-        return f"http://127.0.0.1:{self.release.health_port}/healthz"
+        return f"http://127.0.0.1:{self.ports.health}/healthz"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.release.metrics_port}/metrics"
+        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
 
     def log(self) -> str:
+        """Everything it logged, across restarts."""
         return self.process.log.read_text(errors="replace")
+
+    def paused(self) -> bool:
+        """Whether kopf's peering holds its watches since its latest start: it starts paused and
+        logs each change of mind."""
+        log = self.log()[self.run_from:]
+        return log.rfind("Pausing operations") >= log.rfind("Resuming operations")
 
     def stop(self) -> None:
         """SIGTERM (kopf closes its watches: the audit log shows a watch only once it ends)."""
         self.process.stop()
+
+    def kill(self) -> None:
+        """SIGKILL: no clean exit, so its peering record stays until its lifetime runs out."""
+        self.process.kill()
+
+    def start(self) -> None:
+        """Start it again once stopped or killed: the same command and environment (a fresh token
+        is not needed: it lasts the session), logging on after what it logged before."""
+        self.run_from = len(self.log())
+        self.process.start_again()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until its liveness endpoint and webhook answer; stopped if it does not get there."""
+        try:
+            wait_until(lambda: healthy(self.liveness_url), "the operator's liveness endpoint",
+                       [self.process, *self.plane.processes])
+            wait_until(lambda: _listening(self.ports.webhook), "the operator's webhook port", [self.process])
+        except BaseException:
+            self.process.stop()
+            raise
 
 
 def service_account_token(client: kubernetes.client.ApiClient, service_account: Obj) -> str:
@@ -171,11 +242,11 @@ def service_account_token(client: kubernetes.client.ApiClient, service_account: 
     return answer.status.token
 
 
-def container_environment(release: Release, pod_name: str, mounts: dict[str, Path]) -> dict[str, str]:
+def container_environment(container: Obj, pod_name: str, mounts: dict[str, Path]) -> dict[str, str]:
     """The container's ``env`` as the kubelet sets it: the downward API's pod name and namespace,
     paths of mounted volumes moved to where they are here."""
     env = {}
-    for entry in release.container.get("env", []):
+    for entry in container.get("env", []):
         if "value" in entry:
             env[entry["name"]] = str(mounts.get(entry["value"], entry["value"]))
             continue
@@ -202,27 +273,26 @@ def mount_volumes(client: kubernetes.client.ApiClient, release: Release, root: P
     return mounts
 
 
-def start_operator(plane: ControlPlane, release: Release, root: Path, ordinal: int = 0) -> Operator:
+def start_operator(plane: ControlPlane, release: Release, root: Path, ordinal: int = 0,
+                   ports: Ports | None = None) -> Operator:
     """``kopf run`` with the container's command, as the chart's ServiceAccount, until its
     liveness endpoint and webhook answer. This process' environment goes along without any
-    cluster credentials of its own."""
+    cluster credentials of its own. ``ordinal``: which pod of the StatefulSet (its name, and so
+    its peering priority); ``ports``: its own, where another replica runs on this host (pods each
+    have a network namespace of their own; processes here share one), else the chart's."""
+    ports = ports or release.ports
+    container = release.container_with(ports)
     with plane.client() as client:
         kubeconfig = write_kubeconfig(root / "operator.kubeconfig", plane.url, plane.ca, "operator",
                                       service_account_token(client, release.service_account))
         mounts = mount_volumes(client, release, root)
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG" and not k.startswith("KUBERNETES_")}
-    env |= container_environment(release, release.pod_name(ordinal), mounts)
+    env |= container_environment(container, release.pod_name(ordinal), mounts)
     env |= {"KUBECONFIG": str(kubeconfig), "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"}
-    command = [shutil.which(release.container["command"][0], path=str(VENV_BIN)), *release.container["command"][1:]]
-    process = Process.start("operator", command, root / "operator.log", env=env, cwd=root)
-    operator = Operator(process, release)
-    try:
-        wait_until(lambda: healthy(operator.liveness_url), "the operator's liveness endpoint",
-                   [process, *plane.processes])
-        wait_until(lambda: _listening(release.webhook_port), "the operator's webhook port", [process])
-    except BaseException:
-        process.stop()
-        raise
+    command = [shutil.which(container["command"][0], path=str(VENV_BIN)), *container["command"][1:]]
+    operator = Operator(Process.start(f"operator-{ordinal}", command, root / "operator.log", env=env, cwd=root),
+                        release, ports, plane)
+    operator.wait_ready()
     return operator
 
 
