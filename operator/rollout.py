@@ -328,8 +328,9 @@ def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec) -> None:
         inconclusive = s.rollout.consecutive_inconclusive + 1
         s.update(consecutive_failures=0, consecutive_inconclusive=inconclusive, message=verdict.message)
         if inconclusive >= analysis.inconclusive_limit:
-            _pause(s, PauseCause.INCONCLUSIVE, f"{inconclusive} inconclusive analyses in a row ({reasons}); send "
-                   f"traffic and annotate {names.ANNOTATION_RESUME}=true, or promote or abort")
+            _pause(s, PauseCause.INCONCLUSIVE, f"{inconclusive} inconclusive analyses in a row ({reasons}); once the "
+                   f"canary has traffic and its metrics can be read, annotate {names.ANNOTATION_RESUME}=true, "
+                   "or promote or abort")
     else:
         s.update(consecutive_failures=0, consecutive_inconclusive=0, message=verdict.message)
         if _covers_step(verdict, s.rollout.step_started_at):
