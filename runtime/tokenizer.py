@@ -253,11 +253,13 @@ class Tokenizer:
         (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.eos_token_ids)}))
 
     # -- text ↔ ids -----------------------------------------------------------------------------
+    # The batch calls release the GIL (``encode``/``decode`` hold it throughout): a long text
+    # tokenized in a worker thread then never stalls the server's event loop or the engine thread.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
