@@ -141,7 +141,10 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default $SPECDECODE_API_KEY)")
     g.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
-                   help="on SIGTERM, wait this long for requests in flight (default 600)")
+                   help="on SIGTERM, wait this long for requests in flight, then cut them and exit 1 (default 600)")
+    g.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="refuse a larger request body with 413 (default: 64 bytes per token of context, "
+                        "at least 1 MiB)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--termination-message-path", default="/dev/termination-log", metavar="FILE",
                    help="a refusal to start (invalid configuration, a model that cannot be served) is also written "
@@ -163,7 +166,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         cfg = ServerConfig(engine=engine_config(args), **_set(
             host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
-            drain_timeout_s=args.drain_timeout))
+            drain_timeout_s=args.drain_timeout, max_request_bytes=args.max_request_bytes))
     except ValidationError as exc:
         refuse(f"specdecode serve: invalid configuration: {_errors_line(exc)}", termination)
         return 2

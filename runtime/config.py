@@ -294,4 +294,7 @@ class ServerConfig(Frozen):
     served_model_name: str | None = None
     api_key: str | None = None
     drain_timeout_s: float = Field(600.0, gt=0, description="SIGTERM waits this long for requests in flight")
+    max_request_bytes: int | None = Field(
+        None, ge=1, description="a larger request body is refused with 413; default: sized from the context "
+                                "length, at least 1 MiB")
     engine: EngineConfig = EngineConfig()

@@ -6,6 +6,12 @@ exception inside a step fails the requests in flight with that error instead of 
 thread, so one bad step never takes the server down — except a step that broke the
 tensor-parallel group: the thread stops, and the engine reports itself dead (so does a lost
 worker process of this pod).
+
+Admission is counted where it happens: ``generate`` checks and takes a seat in the waiting queue
+under one lock, and the engine thread gives the seat back when the scheduler first takes the
+request off its waiting queue (or the request ends before that), so ``max_waiting_requests`` is
+never exceeded however many callers race. How long a refused caller should wait comes from the
+waiting queue and the requests finished per second recently (``FinishRate``).
 """
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +34,7 @@ if TYPE_CHECKING:
     from specdecode.runtime.parallel.leader import Leader
 
 log = logging.getLogger(__name__)
+FINISH_RATE_WINDOW_S = 60.0
 
 
 class EngineOverloaded(Exception):
@@ -49,6 +58,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _AbortAll:
+    error: BaseException  # what every request in flight raises to its caller
+
+
 class _Sink:
     """Hands engine outputs (or an exception) to one asyncio consumer."""
 
@@ -57,7 +71,41 @@ class _Sink:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: the server stopped before this request's abort came
+            log.debug("output for a closed event loop dropped")
+
+
+class FinishRate:
+    """Requests finished per second over the last ``window_s`` seconds (or since the engine started,
+    if that is sooner, counting at least one second). With none finished in that span it answers
+    as if one had: a finite, pessimistic guess that grows as the span does."""
+
+    def __init__(self, window_s: float = FINISH_RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self._finished: deque[float] = deque()
+        self._lock = threading.Lock()  # recorded by the engine thread, read by the server's
+
+    def record(self, count: int = 1) -> None:
+        now = self.clock()
+        with self._lock:
+            self._finished.extend([now] * count)
+            self._forget(now)
+
+    def per_second(self) -> float:
+        now = self.clock()
+        with self._lock:
+            self._forget(now)
+            finished = len(self._finished)
+        span = min(self.window_s, max(now - self.started, 1.0))
+        return max(finished, 1) / span
+
+    def _forget(self, now: float) -> None:
+        while self._finished and self._finished[0] < now - self.window_s:
+            self._finished.popleft()
 
 
 class AsyncEngine:
@@ -67,10 +115,12 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self.leader = leader  # rank 0 of a tensor-parallel group: the other ranks' keeper
         self.ready = False
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _AbortAll | None] = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
-        self._pending = 0  # requests submitted but not yet admitted by the engine thread
-        self._lock = threading.Lock()
+        self._num_waiting = 0  # seats taken in the waiting queue: submitted, not yet scheduled once
+        self._lock = threading.Lock()  # guards _num_waiting
+        self._queued: set[str] = set()  # the engine thread's: ids it added that the scheduler has not yet taken
+        self.finish_rate = FinishRate()
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
 
@@ -127,6 +177,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not yet scheduled: the exact figure the waiting cap applies to."""
+        return self._num_waiting
+
+    def expected_wait_s(self) -> float:
+        """Seconds until the waiting queue has drained at the recent finish rate."""
+        return self._num_waiting / self.finish_rate.per_second()
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -134,10 +193,9 @@ class AsyncEngine:
             raise EngineDead("the engine is not running")
         self.engine._validate(request_id, prompt_token_ids, params)
         with self._lock:
-            waiting = self._stats.num_waiting + self._pending
-            if waiting >= self.max_waiting_requests:
-                raise EngineOverloaded(f"{waiting} requests are waiting; retry later")
-            self._pending += 1
+            if self._num_waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(f"{self._num_waiting} requests are waiting; retry later")
+            self._num_waiting += 1
         sink = _Sink(asyncio.get_running_loop())
         self._inbox.put(_Add(request_id, prompt_token_ids, params, sink))
         finished = False
@@ -154,6 +212,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request submitted so far; each caller's stream raises ``error``."""
+        self._inbox.put(_AbortAll(error))
 
     def _warm_up(self) -> None:
         params = SamplingParams(max_tokens=2, temperature=0.0)
@@ -179,6 +241,8 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._stats = self.engine.stats()
+            self._release_started()
+            self.finish_rate.record(sum(out.finished for out in outputs))
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
@@ -198,19 +262,35 @@ class AsyncEngine:
             if isinstance(msg, _Abort):
                 self.engine.abort_request(msg.request_id)
                 self._sinks.pop(msg.request_id, None)
+                if msg.request_id in self._queued:
+                    self._queued.discard(msg.request_id)
+                    self._give_back_seats(1)
+            elif isinstance(msg, _AbortAll):
+                self._fail_all(msg.error)
             else:
                 self._admit(msg)
             self._stats = self.engine.stats()
 
     def _admit(self, msg: _Add) -> None:
-        with self._lock:
-            self._pending -= 1
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
         except ValueError as exc:
+            self._give_back_seats(1)
             msg.sink.put(exc)
             return
+        self._queued.add(msg.request_id)
         self._sinks[msg.request_id] = msg.sink
+
+    def _release_started(self) -> None:
+        """Give back the seats of queued requests the scheduler has taken off its waiting queue."""
+        if self._queued:
+            started = self._queued - {seq.request_id for seq in self.engine.scheduler.waiting}
+            self._queued -= started
+            self._give_back_seats(len(started))
+
+    def _give_back_seats(self, count: int) -> None:
+        with self._lock:
+            self._num_waiting -= count
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
@@ -218,4 +298,6 @@ class AsyncEngine:
         for sink in self._sinks.values():
             sink.put(exc)
         self._sinks.clear()
+        self._give_back_seats(len(self._queued))
+        self._queued.clear()
         self._stats = self.engine.stats()

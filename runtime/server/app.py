@@ -1,13 +1,16 @@
 """The FastAPI app: OpenAI routes, vLLM-style tokenize/detokenize, health, readiness, metrics.
 
 Bodies are parsed here, not by FastAPI's signature magic, so malformed JSON, unknown fields and
-out-of-range values all become OpenAI-style 400s naming the field (see ``errors``). The outer
-middleware echoes ``X-Request-Id`` (generating one when absent), counts every error response by
-status, and turns an unexpected exception into a bare 500.
+out-of-range values all become OpenAI-style 400s naming the field (see ``errors``), and a body past
+``--max-request-bytes`` a 413 (see ``body``). The API key, when set, guards ``/v1/*``,
+``/tokenize`` and ``/detokenize``; the probes and ``/metrics`` stay open. Tokenizing and
+detokenizing run in worker threads, off the event loop. The outer middleware echoes
+``X-Request-Id`` (generating one when absent), counts every error response by status, and turns an
+unexpected exception into a bare 500.
 """
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import secrets
 import uuid
@@ -19,7 +22,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.runtime.config import ServerConfig
+from specdecode.runtime.server.body import default_max_request_bytes, read_json
 from specdecode.runtime.server.errors import (
+    CLIENT_CLOSED_REQUEST,
     APIError,
     bad_request,
     install_error_handlers,
@@ -38,7 +43,7 @@ from specdecode.runtime.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from specdecode.runtime.server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing, ServingState
+from specdecode.runtime.server.serving import OpenAIServing, ServingState
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 128
@@ -72,20 +77,9 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
             if not started:
                 await internal_error().response()(scope, receive, send_with_id)
-
-
-async def read_json(request: Request) -> object:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(
-            f"We could not parse the JSON body of your request ({exc}). The body must be a JSON object.",
-            code="invalid_json",
-        ) from None
 
 
 def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
@@ -94,6 +88,10 @@ def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine.stats)
     state = ServingState()
     serving = OpenAIServing(engine, served_name, metrics, state, server_cfg.engine.cache.block_size)
+    max_bytes = server_cfg.max_request_bytes or default_max_request_bytes(engine.max_model_len)
+
+    async def body(request: Request) -> object:
+        return await read_json(request, max_bytes)
 
     app = FastAPI(title="SpecDecode", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
@@ -109,6 +107,7 @@ def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    tokens = APIRouter(dependencies=[Depends(require_api_key)])
 
     @v1.get("/models")
     async def models() -> dict:
@@ -117,38 +116,44 @@ def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = validate_body(CompletionRequest, await read_json(request))
+        req = validate_body(CompletionRequest, await body(request))
         return await serving.generate(req, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = validate_body(ChatCompletionRequest, await read_json(request))
+        req = validate_body(ChatCompletionRequest, await body(request))
         return await serving.generate(req, request)
 
-    app.include_router(v1)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        raw = await read_json(request)
-        is_chat = isinstance(raw, dict) and "messages" in raw
-        req = validate_body(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, raw)
-        serving.check_model(req.model)
-        if is_chat:
+    def tokenized(req: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+        if isinstance(req, TokenizeChatRequest):
             ids = serving.chat_prompt_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
         else:
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [engine.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
-                                token_strs=strs).model_dump()
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        req = validate_body(DetokenizeRequest, await read_json(request))
-        serving.check_model(req.model)
+    def detokenized(req: DetokenizeRequest) -> DetokenizeResponse:
         vocab = engine.tokenizer.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise bad_request(f"tokens: token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)).model_dump()
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+    @tokens.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        raw = await body(request)
+        is_chat = isinstance(raw, dict) and "messages" in raw
+        req = validate_body(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, raw)
+        serving.check_model(req.model)
+        return (await asyncio.to_thread(tokenized, req)).model_dump()
+
+    @tokens.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = validate_body(DetokenizeRequest, await body(request))
+        serving.check_model(req.model)
+        return (await asyncio.to_thread(detokenized, req)).model_dump()
+
+    app.include_router(v1)
+    app.include_router(tokens)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -7,6 +7,7 @@ the server.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from http import HTTPStatus
 
@@ -19,8 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdecode.runtime.server.protocol import UnsupportedField
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody receives it
+# A 503's Retry-After, in seconds: never "at once" (a full server is hammered), never so long that a
+# client gives up on a server that is only briefly full.
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
 
 
 class APIError(Exception):
@@ -56,7 +63,10 @@ def internal_error() -> APIError:
     return APIError(500, "The server had an error while processing your request.", code="internal_error")
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+def overloaded(message: str, expected_wait_s: float) -> APIError:
+    """503 with a Retry-After of the expected wait, in whole seconds, clamped to
+    [``MIN_RETRY_AFTER_S``, ``MAX_RETRY_AFTER_S``]."""
+    retry_after_s = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(expected_wait_s)))
     return APIError(503, message, code="overloaded", headers={"Retry-After": str(retry_after_s)})
 
 

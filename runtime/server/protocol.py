@@ -24,6 +24,7 @@ from specdecode.runtime.engine.sequence import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_TOP_K = 2**31 - 1  # past any vocabulary (all of it); larger values would overflow the sampler's tensors
 
 
 class UnsupportedField(ValueError):
@@ -76,7 +77,7 @@ class _GenerationRequest(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # 0 or -1 = off
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # 0 or -1 = off
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -2,8 +2,11 @@
 
 On SIGTERM (or Ctrl-C) the server keeps listening but drains: ``/ready`` answers 503 (so a load
 balancer stops sending traffic), new generation requests get 503, requests in flight run to the
-end; once none is left — or ``drain_timeout_s`` has passed — uvicorn shuts down and the process
-exits 0. A second signal exits at once.
+end; once none is left, uvicorn shuts down and the process exits 0. If ``drain_timeout_s`` passes
+first, the requests still running are cut — a stream ends with an error event and ``[DONE]``, a
+non-streaming request gets a 503 — uvicorn waits at most ``CUT_GRACE_S`` for those answers to go
+out, and the process exits ``EXIT_REQUESTS_CUT``. The engine is stopped only once the server's
+event loop no longer waits on it. A second signal exits at once.
 
 If the engine dies — a rank of its parallel group is gone or a step timed out (``--collective-timeout``)
 — ``/health`` and ``/ready`` answer 503 at once and, ``DEAD_EXIT_S`` later, the process exits 1
@@ -29,7 +32,7 @@ from types import FrameType
 import uvicorn
 
 from specdecode.runtime.config import ServerConfig
-from specdecode.runtime.server.serving import ServingState
+from specdecode.runtime.server.serving import DrainDeadlinePassed, ServingState
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,9 @@ log = logging.getLogger(__name__)
 STARTUP_REFUSALS = (ValueError, FileNotFoundError, KeyError)
 EXIT_REFUSED = 1
 EXIT_ENGINE_DIED = 1
+EXIT_REQUESTS_CUT = 1  # the drain's deadline cut requests that were still running
 DEAD_EXIT_S = 5.0  # /health answers 503 this long before the process exits
+CUT_GRACE_S = 2.0  # after the drain's deadline, the longest uvicorn waits for the cut requests' answers
 
 
 def refuse(line: str, termination_message_path: Path | None) -> None:
@@ -62,12 +67,14 @@ class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose exit signal starts a drain instead of closing the listener."""
 
     def __init__(self, config: uvicorn.Config, state: ServingState, drain_timeout_s: float,
-                 engine_dead: Callable[[], bool]):
+                 engine_dead: Callable[[], bool], abort_all: Callable[[BaseException], None]):
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
         self.engine_dead = engine_dead
+        self.abort_all = abort_all
         self.died_at: float | None = None
+        self.num_cut = 0  # requests still running at the drain's deadline
         self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -95,7 +102,9 @@ class DrainingServer(uvicorn.Server):
                 log.info("drained: shutting down")
                 self.should_exit = True
             elif time.monotonic() > self._drain_deadline:
-                log.warning("drain timeout: %d request(s) still in flight", self.state.inflight)
+                log.warning("drain timeout: cutting the %d request(s) still in flight", self.state.inflight)
+                self.num_cut = self.state.inflight
+                self.abort_all(DrainDeadlinePassed())
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -120,8 +129,8 @@ def run_server(cfg: ServerConfig, log_level: str = "info",
         return EXIT_REFUSED
     app = build_app(engine, cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, app.state.serving, cfg.drain_timeout_s, lambda: engine.dead)
+                            timeout_graceful_shutdown=CUT_GRACE_S, access_log=False)
+    server = DrainingServer(config, app.state.serving, cfg.drain_timeout_s, lambda: engine.dead, engine.abort_all)
     warm_up = threading.Thread(target=engine.start, name="specdecode-warmup", daemon=True)
     warm_up.start()
     try:
@@ -129,4 +138,9 @@ def run_server(cfg: ServerConfig, log_level: str = "info",
     finally:
         warm_up.join()
         engine.shutdown()
-    return EXIT_ENGINE_DIED if server.died_at is not None else 0
+    if server.died_at is not None:
+        return EXIT_ENGINE_DIED
+    if server.num_cut:
+        log.error("exiting %d: the drain's deadline cut %d request(s)", EXIT_REQUESTS_CUT, server.num_cut)
+        return EXIT_REQUESTS_CUT
+    return 0

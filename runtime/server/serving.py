@@ -3,7 +3,13 @@
 Errors the engine raises before its first output (queue full, invalid request) become proper HTTP
 errors; a stream therefore starts (status 200) with the first output in hand. A client that goes
 away — while waiting, mid-stream, or before a non-streaming answer — closes the engine's
-generator, which aborts the request and frees its KV blocks.
+generator, which aborts the request and frees its KV blocks. Requests still running when a drain's
+deadline passes are cut (the engine raises ``DrainDeadlinePassed`` to each): a stream ends with an
+error event and ``[DONE]``, a non-streaming request gets a 503.
+
+Tokenizing a prompt runs in a worker thread (the tokenizer releases the GIL), so a huge prompt
+never stalls the event loop, other streams or ``/health``. Response ids are the server's own; the
+client's ``X-Request-Id`` names the request in the logs only.
 """
 from __future__ import annotations
 
@@ -21,8 +27,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.runtime.engine.async_engine import EngineDead, EngineOverloaded
-from specdecode.runtime.engine.sequence import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
-from specdecode.runtime.server.errors import APIError, bad_request, internal_error, overloaded
+from specdecode.runtime.engine.sequence import (
+    CompletionDelta,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from specdecode.runtime.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    bad_request,
+    internal_error,
+    overloaded,
+)
 from specdecode.runtime.server.logprobs import CompletionLogprobBuilder, TokenTexts
 from specdecode.runtime.server.metrics import RequestTimer, ServerMetrics
 from specdecode.runtime.server.protocol import (
@@ -46,11 +64,17 @@ from specdecode.runtime.server.protocol import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody receives it
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+class DrainDeadlinePassed(Exception):
+    """The drain's deadline passed with this request still running: the server cut it."""
+
+    def __init__(self) -> None:
+        super().__init__("the server shut down before this request finished")
 
 
 @dataclass
@@ -75,6 +99,7 @@ class _Run:
 
     chat: bool  # a chat completion (else a text completion)
     response_id: str
+    request_id: str  # the client's X-Request-Id (or one made up for it): for the logs
     model: str
     n: int
     stream: AsyncIterator[RequestOutput]
@@ -185,11 +210,15 @@ class OpenAIServing:
         if isinstance(req, ChatCompletionRequest):
             return self.chat_prompt_ids(req.template_messages(), req.add_generation_prompt)
         if isinstance(req.prompt, str):
-            return self.engine.tokenizer.encode(req.prompt, add_special_tokens=True)
-        vocab = self.engine.tokenizer.vocab_size
-        if any(t >= vocab for t in req.prompt):
-            raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
-        return list(req.prompt)
+            ids = self.engine.tokenizer.encode(req.prompt, add_special_tokens=True)
+        else:
+            vocab = self.engine.tokenizer.vocab_size
+            if any(t >= vocab for t in req.prompt):
+                raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
+            ids = list(req.prompt)
+        if not ids:
+            raise bad_request("prompt: the prompt is empty", "prompt")
+        return ids
 
     def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int) -> int:
         """The request's max_tokens, or what is left of the context (and of the KV pool)."""
@@ -211,39 +240,48 @@ class OpenAIServing:
         pool_tokens = self.engine.stats().num_total_blocks * self.block_size
         return max(1, min(max_len, pool_tokens) - prompt_len)
 
+    async def _engine_inputs(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Prompt ids (tokenized in a worker thread) and sampling parameters."""
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        try:
+            return prompt_ids, req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+        except ValueError as exc:  # SamplingParams re-checks ranges the protocol already enforces
+            raise bad_request(str(exc)) from None
+
     def _check_serving(self) -> None:
         if self.state.draining:
-            raise overloaded("the server is shutting down")
+            raise self._overloaded("the server is shutting down")
         if not self.engine.ready:
-            raise overloaded("the model is still loading")
+            raise self._overloaded("the model is still loading")
+
+    def _overloaded(self, message: str) -> APIError:
+        """503, with a Retry-After of how long the waiting queue takes to drain at the recent pace."""
+        return overloaded(message, self.engine.expected_wait_s())
 
     # -- run ------------------------------------------------------------------------------------
     async def generate(self, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         """Answer a (chat) completion request: JSON, or an SSE stream when ``req.stream``."""
         self._check_serving()
         self.check_model(req.model)
-        prompt_ids = self._prompt_ids(req)
-        try:
-            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
-        except ValueError as exc:  # SamplingParams re-checks ranges the protocol already enforces
-            raise bad_request(str(exc)) from None
-        chat = isinstance(req, ChatCompletionRequest)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
-        timer = RequestTimer()
-        self.state.inflight += 1
+        self.state.inflight += 1  # from here: a drain waits for this request, tokenizing included
         handed_off = False
         try:
-            stream = self.engine.generate(f"{response_id}-{uuid.uuid4().hex[:8]}", prompt_ids, params)
+            prompt_ids, params = await self._engine_inputs(req)
+            chat = isinstance(req, ChatCompletionRequest)
+            response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            timer = RequestTimer()
+            stream = self.engine.generate(response_id, prompt_ids, params)
             try:
                 first = await _unless_disconnected(_next(stream), request)
             except ClientGone:
                 self.metrics.record_finished(timer, [FinishReason.ABORT.value] * req.n)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            except (EngineOverloaded, EngineDead) as exc:
-                raise overloaded(str(exc)) from None
+            except (EngineOverloaded, EngineDead, DrainDeadlinePassed) as exc:
+                raise self._overloaded(str(exc)) from None
             except ValueError as exc:  # the engine refused the request (its message is for the user)
                 raise bad_request(str(exc)) from None
-            run = _Run(chat, response_id, self.served_model_name, req.n, stream, first, timer)
+            run = _Run(chat, response_id, request.state.request_id, self.served_model_name, req.n, stream, first,
+                       timer)
             if req.stream:
                 handed_off = True
                 return _SSEResponse(self._stream(run, req))
@@ -257,6 +295,8 @@ class OpenAIServing:
             await _unless_disconnected(self._drain(run), request)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except DrainDeadlinePassed as exc:
+            raise self._overloaded(str(exc)) from None
         finally:
             await run.stream.aclose()
             self.metrics.record_finished(run.timer, run.finish_reasons())
@@ -292,8 +332,13 @@ class OpenAIServing:
                                    usage=run.usage())
                 yield _sse(chunk.model_dump_json())
             yield _sse("[DONE]")
+        except DrainDeadlinePassed as exc:  # headers are sent: say so in the stream, then end it as streams end
+            log.warning("request %s (%s) cut at the drain deadline", run.request_id, run.response_id)
+            self.metrics.record_error(503)
+            yield _sse(json.dumps(self._overloaded(str(exc)).body()))
+            yield _sse("[DONE]")
         except Exception:  # headers are sent: report the failure in the stream, not as a status
-            log.exception("request %s failed mid-stream", run.response_id)
+            log.exception("request %s (%s) failed mid-stream", run.request_id, run.response_id)
             self.metrics.record_error(500)
             yield _sse(json.dumps(internal_error().body()))
         finally:
