@@ -17,7 +17,7 @@ from realk8s import wait_until
 from realk8s_cluster import RealCluster, Workloads, children_of, owned_by
 from realk8s_operator import Release
 
-from specdecode.operator import names
+from specdecode.operator import names, render
 from specdecode.operator.resolve import resolve
 
 # The control plane's start (and a cold build) have deadlines of their own.
@@ -68,10 +68,18 @@ def test_the_api_server_calls_the_webhook_which_refuses_an_invalid_spec(cluster:
 
 
 def test_a_resource_gets_owned_children_and_a_status(cluster: RealCluster, workloads: Workloads) -> None:
-    cluster.create(example("created"))
+    body = example("created")
+    body["spec"]["extraArgs"] = ["--drain-timeout", "120"]
+    cluster.create(body)
     created = cluster.get("created")
     children = children_of(cluster, "created")
     assert all(owned_by(child, created) for child in children)
+    # as the API server stored it: the kubelet's grace period covers the preStop wait and the drain
+    (pod,) = [c["spec"]["template"]["spec"] for c in children if c["kind"] == "Deployment"]
+    assert pod["terminationGracePeriodSeconds"] == render.PRE_STOP_SECONDS + 120 + render.EXIT_MARGIN_SECONDS
+    (runtime,) = pod["containers"]
+    assert runtime["lifecycle"]["preStop"]["exec"]["command"][-2:] == [str(render.PRE_STOP_SECONDS),
+                                                                       str(names.HTTP_PORT)]
     cluster.until(lambda: cluster.status("created").get("observedGeneration"), "a status")
     status = cluster.status("created")
     assert status["observedGeneration"] == 1 and status["stableRevision"]
