@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq
-from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.engine.sequence import Sequence, TokenLogprob
 from specdecode.runtime.engine.verifier import Verdict, Verifier
 
 
@@ -27,6 +27,7 @@ from specdecode.runtime.engine.verifier import Verdict, Verifier
 class StepResult:
     verdicts: list[Verdict]  # one per deciding item of the step, in order
     hidden: torch.Tensor | None  # [T, hidden] pre-norm, for the proposer; None where the proposer runs elsewhere
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt row of the step, in order
 
 
 Pending = Callable[[], StepResult]
@@ -38,6 +39,8 @@ class Execution:
     # KV slots past a deciding sequence's step the proposer writes before the next step is scheduled
     # (MTP heads on a pipeline's last stage draft right after verifying); the engine reserves them if free
     draft_slots_ahead: int = 0
+    # whether the steps' prompt rows get their logprobs (``SamplingParams.prompt_logprobs``)
+    scores_prompt_logprobs: bool = False
 
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
         raise NotImplementedError
@@ -53,6 +56,8 @@ class Execution:
 
 
 class LocalExecution(Execution):
+    scores_prompt_logprobs = True
+
     def __init__(self, runner: ModelRunner, verifier: Verifier, overlap: bool):
         self.runner = runner
         self.verifier = verifier
@@ -67,7 +72,9 @@ class LocalExecution(Execution):
     @torch.inference_mode()
     def _run(self, step: PreparedStep, rows: list[SamplerRow]) -> StepResult:
         out = self.runner.run(step)
-        return StepResult(self.verifier(out.logits, rows) if rows else [], out.hidden)
+        verdicts = self.verifier(out.logits, rows) if rows else []
+        prompt_logprobs = self.runner.prompt_logprobs(step, out.hidden) if step.prompt_token_ids else []
+        return StepResult(verdicts, out.hidden, prompt_logprobs)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -47,6 +47,7 @@ from specdecode.runtime.engine.sequence import (
     Sequence,
     SequenceStatus,
     SpecCounts,
+    TokenLogprob,
 )
 from specdecode.runtime.engine.verifier import Verdict, Verifier
 from specdecode.runtime.proposers import Proposer, build_proposer
@@ -270,6 +271,7 @@ class LLMEngine:
 
     def _apply(self, plan: _Plan, result: StepResult) -> None:
         """Accept step N's verdicts, let the proposer observe, commit the full blocks."""
+        self._take_prompt_logprobs(plan.scheduled, result.prompt_logprobs)
         for item, verdict in zip(plan.deciding, result.verdicts):
             self._accept(item, verdict)
         if self.proposer is not None and result.hidden is not None:
@@ -277,6 +279,16 @@ class LLMEngine:
         for item in plan.scheduled:
             if not item.seq.is_finished:
                 self.blocks.commit_full_blocks(item.seq)
+
+    @staticmethod
+    def _take_prompt_logprobs(scheduled: list[ScheduledSeq], logprobs: list[TokenLogprob]) -> None:
+        """Hand each item the prompt logprobs its rows scored; positions a sequence already has
+        (it was preempted and recomputes its prompt) are not taken twice."""
+        scored = iter(logprobs)
+        for item in scheduled:
+            for position, logprob in zip(item.prompt_logprob_positions, scored):
+                if position == len(item.seq.prompt_logprobs):
+                    item.seq.prompt_logprobs.append(logprob)
 
     def _draft_caps(self) -> dict[int, int]:
         """Drafts each decoding sequence may get this step (by seq_id), from load control and the
@@ -322,6 +334,10 @@ class LLMEngine:
     def _accept(self, item: ScheduledSeq, verdict: Verdict) -> None:
         """Append the verdict's tokens; accepted drafts already have K/V, so they count as computed."""
         seq = item.seq
+        if seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for
+            self._touched.add(seq.request_id)
+            self._finish(self.requests[seq.request_id].completions[seq.index], FinishReason.LENGTH, None)
+            return
         seq.spec.record(item.num_draft, verdict.num_accepted)
         self.spec.record(item.num_draft, verdict.num_accepted)
         self.load_control.observe(item.num_draft, verdict.num_accepted)
@@ -356,6 +372,10 @@ class LLMEngine:
         vocab = self.runner.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= token_id < vocab for token_id, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.prompt_logprobs is not None and not self.execution.scores_prompt_logprobs:
+            raise ValueError("prompt logprobs are not available with pipeline parallelism")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -442,6 +462,9 @@ class LLMEngine:
         text = c.detok.take(final=seq.is_finished)
         if not new_tokens and not seq.is_finished:
             return None
+        first = c.reported_tokens == 0
         c.reported_tokens = seq.num_output_tokens
         c.reported = seq.is_finished
-        return CompletionDelta(seq.index, new_tokens, text, new_logprobs, seq.finish_reason, c.stop_reason)
+        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+        return CompletionDelta(seq.index, new_tokens, text, new_logprobs, seq.finish_reason, c.stop_reason,
+                               prompt_logprobs)

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.runtime.config import CacheConfig
+from specdecode.runtime.engine.sampler import gather_logprobs
 from specdecode.runtime.engine.scheduler import ScheduledSeq
+from specdecode.runtime.engine.sequence import TokenLogprob
 from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
 from specdecode.runtime.models.decoder import DecoderLM
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
 
 # Sequences computing at most this many tokens share one padded attention call.
 SHORT_QUERY_TOKENS = 16
+# Prompt logprobs are scored this many rows at a time: bounds the [rows, vocab] logits they need.
+PROMPT_LOGPROB_ROWS = 256
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
@@ -78,6 +82,18 @@ class ModelRunner:
             hidden = self.channel.run_step(step.input_ids, step.batch, self.forward)
         return StepOutput(self.model.compute_logits(hidden[step.sample_rows]), hidden)
 
+    def prompt_logprobs(self, step: PreparedStep, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """The logprobs of the prompt tokens ``step``'s prompt rows predict, in row order.
+        hidden: [T, hidden] pre-norm, the step's forward."""
+        out: list[TokenLogprob] = []
+        for first in range(0, len(step.prompt_token_ids), PROMPT_LOGPROB_ROWS):
+            rows = step.prompt_rows[first : first + PROMPT_LOGPROB_ROWS]  # [P]
+            logits = self.model.compute_logits(hidden[rows])  # [P, vocab] fp32
+            token_ids = step.prompt_token_ids[first : first + PROMPT_LOGPROB_ROWS]
+            num_top = step.prompt_num_top[first : first + PROMPT_LOGPROB_ROWS]
+            out += gather_logprobs(logits, list(range(len(token_ids))), token_ids, num_top)
+        return out
+
     def forward(self, inputs: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """inputs: token ids [T] long (first stage) or the previous stage's hidden [T, hidden] →
         hidden states [T, hidden] (pre-norm), K/V written into the pools."""
@@ -87,16 +103,25 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> PreparedStep:
         tokens: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_token_ids: list[int] = []
+        prompt_num_top: list[int] = []
         for item in scheduled:
             seq, start = item.seq, item.start
             num_real = item.num_tokens - item.num_draft
+            positions = item.prompt_logprob_positions
+            if positions:
+                prompt_rows += (len(tokens) + p - start for p in positions)
+                prompt_token_ids += seq.token_ids[positions.start + 1 : positions.stop + 1]
+                prompt_num_top += [seq.params.prompt_logprobs] * len(positions)
             tokens += seq.token_ids[start : start + num_real] + item.draft_token_ids
             if item.samples:
                 sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
         spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
         batch = build_attention_batch(spans, self.block_size, self.device)
         to = dict(device=self.device, dtype=torch.long)
-        return PreparedStep(torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to))
+        return PreparedStep(torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to),
+                            torch.tensor(prompt_rows, **to), prompt_token_ids, prompt_num_top)
 
 
 @dataclass
@@ -106,6 +131,9 @@ class PreparedStep:
     input_ids: torch.Tensor  # [T] long
     batch: AttentionBatch
     sample_rows: torch.Tensor  # [R] long: the rows whose logits decide tokens
+    prompt_rows: torch.Tensor  # [P] long: the rows that score the next prompt token's logprob
+    prompt_token_ids: list[int]  # [P] the prompt token each of them scores
+    prompt_num_top: list[int]  # [P] the alternatives asked for with each
 
     def then(self, other: PreparedStep) -> PreparedStep:
         """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a
@@ -116,7 +144,9 @@ class PreparedStep:
                                torch.cat([self.batch.slot_mapping, other.batch.slot_mapping]),
                                self.batch.groups + groups)
         return PreparedStep(torch.cat([self.input_ids, other.input_ids]), batch,
-                            torch.cat([self.sample_rows, other.sample_rows + offset]))
+                            torch.cat([self.sample_rows, other.sample_rows + offset]),
+                            torch.cat([self.prompt_rows, other.prompt_rows + offset]),
+                            self.prompt_token_ids + other.prompt_token_ids, self.prompt_num_top + other.prompt_num_top)
 
 
 @dataclass

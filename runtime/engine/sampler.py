@@ -1,8 +1,9 @@
 """Logits → the distribution each request samples from, and the target's logprobs.
 
-Order, as in vLLM: logprobs come from the *raw* logits (what the model believes); frequency
-and presence penalties, then temperature, top-k and top-p shape the distribution that is
-sampled. A sequence scores ``k + 1`` rows in a step (its pending token and ``k`` draft tokens);
+Order, as in vLLM: logprobs come from the *raw* logits (what the model believes, vLLM's default
+``raw_logprobs``: neither penalties nor ``logit_bias`` change them); frequency and presence
+penalties and the request's ``logit_bias``, then temperature, top-k and top-p shape the
+distribution that is sampled. A sequence scores ``k + 1`` rows in a step (its pending token and ``k`` draft tokens);
 row ``j`` predicts the token after ``drafts[:j]``, so its penalties count those drafts too.
 """
 from __future__ import annotations
@@ -46,6 +47,19 @@ def apply_penalties(
                     counts = torch.bincount(torch.tensor(seen, device=logits.device), minlength=logits.shape[1])
                     counts = counts.to(logits.dtype)
                     logits[start + j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        start += row.num_rows
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [R, V] fp32 (R = Σ num_rows), modified in place
+    rows: list[SamplerRow],
+) -> None:
+    """Add each request's ``logit_bias`` to every row it scores (drafts' rows included)."""
+    start = 0
+    for row in rows:
+        if row.params.logit_bias:
+            ids, bias = zip(*row.params.logit_bias)
+            logits[start : start + row.num_rows, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         start += row.num_rows
 
 

@@ -46,6 +46,16 @@ class ScheduledSeq:
         return self.start + self.num_tokens - self.num_draft == len(self.seq)
 
     @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions whose row scores the next *prompt* token's logprob this step (asked for with
+        ``prompt_logprobs``); the last prompt position's row samples the first output instead."""
+        seq = self.seq
+        if not seq.wants_prompt_logprobs:
+            return range(0)
+        end = min(self.start + self.num_tokens - self.num_draft, seq.num_prompt_tokens - 1)
+        return range(self.start, max(self.start, end))
+
+    @property
     def decoding(self) -> bool:
         """A decode step: only the sequence's last (pending) token is new, drafts may follow it."""
         return self.samples and self.num_tokens - self.num_draft == 1
@@ -141,7 +151,8 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.blocks.match_prefix(seq.token_ids)
+            # a prefix-cache hit would skip positions whose logprobs are still to be computed
+            prefix = [] if seq.missing_prompt_logprobs else self.blocks.match_prefix(seq.token_ids)
             num = min(len(seq) - len(prefix) * self.blocks.block_size, budget)
             if not self.blocks.admit(seq, prefix, num):
                 break

@@ -13,7 +13,7 @@ from enum import Enum
 class SamplingParams:
     """Per-request generation controls (validated at the API edge; ranges re-checked here)."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt's logprobs only (echo), nothing generated
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -24,18 +24,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N ≥ 0 = chosen token's logprob + N top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (from the prefill)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before sampling)
     n: int = 1
     num_speculative_tokens: int | None = None  # per-request cap on draft tokens (0 = no speculation)
 
     def __post_init__(self) -> None:
         checks = {
-            "max_tokens": self.max_tokens >= 1,
+            "max_tokens": self.max_tokens >= 0,
             "temperature": 0.0 <= self.temperature <= 2.0,
             "top_p": 0.0 < self.top_p <= 1.0,
             "top_k": self.top_k >= -1,
             "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
             "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= 20,
+            "prompt_logprobs": self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "logit_bias": all(-100.0 <= bias <= 100.0 for _, bias in self.logit_bias),
             "n": 1 <= self.n <= 16,
             "num_speculative_tokens": self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 16,
         }
@@ -122,6 +126,7 @@ class Sequence:
     num_cached_prefix_tokens: int = 0  # prefix-cache hit length of the latest admission
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # [i] = prompt token i + 1's, when asked
     first_token_time: float | None = None
     spec: SpecCounts = field(default_factory=SpecCounts)
 
@@ -140,6 +145,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def missing_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
 
 @dataclass
 class CompletionDelta:
@@ -151,6 +165,7 @@ class CompletionDelta:
     logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a completion's first delta, when asked: prompt tokens 1…
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -56,6 +57,7 @@ class DraftState:
     num_computed_tokens: int = 0  # leading positions with K/V in the draft pool
     num_confirmed: int = 0  # leading positions known equal to the sequence's tokens
     block_table: list[int] = field(default_factory=list)
+    wants_prompt_logprobs: ClassVar[bool] = False  # the draft model's prefill scores none
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,6 +1,7 @@
 """Token log-probabilities in the two OpenAI shapes.
 
-- completions (``logprobs: N``): ``tokens / token_logprobs / top_logprobs / text_offset``;
+- completions (``logprobs: N``): ``tokens / token_logprobs / top_logprobs / text_offset``; with
+  ``echo`` the prompt's tokens come first;
 - chat (``logprobs: true, top_logprobs: N``): ``content: [{token, logprob, bytes, top_logprobs}]``.
 
 A token's text is its own bytes, not a decode of it in isolation (which drops SentencePiece's
@@ -13,6 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from dataclasses import dataclass
 
 from specdecode.runtime.engine.sequence import TokenLogprob
 from specdecode.runtime.server.protocol import ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
@@ -83,12 +85,30 @@ class CompletionLogprobBuilder:
         self._chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="ignore")
 
-    def build(self, logprobs: list[TokenLogprob]) -> CompletionLogprobs:
+    def build(self, logprobs: list[TokenLogprob], echo: Echo | None = None) -> CompletionLogprobs:
+        """The entries of ``logprobs``, after those of the echoed prompt when ``echo`` is given: its
+        first token's logprob and top list are null (nothing predicts it, as OpenAI returns it)."""
         out = CompletionLogprobs()
+        if echo is not None:
+            self._add(out, echo.token_ids[0], None, None)
+            for lp in echo.logprobs:
+                self._add(out, lp.token_id, lp.logprob, lp.top)
         for lp in logprobs:
-            out.tokens.append(self.texts.token_str(lp.token_id))
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.texts.token_str(i): v for i, v in lp.top})
-            out.text_offset.append(self._chars)
-            self._chars += len(self._utf8.decode(self.texts.token_bytes(lp.token_id)))
+            self._add(out, lp.token_id, lp.logprob, lp.top)
         return out
+
+    def _add(self, out: CompletionLogprobs, token_id: int, logprob: float | None,
+             top: list[tuple[int, float]] | None) -> None:
+        out.tokens.append(self.texts.token_str(token_id))
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(None if top is None else {self.texts.token_str(i): v for i, v in top})
+        out.text_offset.append(self._chars)
+        self._chars += len(self._utf8.decode(self.texts.token_bytes(token_id)))
+
+
+@dataclass
+class Echo:
+    """An echoed prompt's tokens and the logprobs of every one after the first."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]

@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response bodies (``/v1/completions``, ``/v1/chat/completions``).
 
 Requests are strict: an unknown field is refused (``extra="forbid"``), and an OpenAI field we do
-not implement is refused by name unless it carries its neutral value (``"echo": false``,
-``"logit_bias": {}``…), so nothing a client asks for is ever silently ignored. A ``null`` for a
+not implement is refused by name unless it carries its neutral value (``"suffix": ""``,
+``"tools": []``…), so nothing a client asks for is ever silently ignored. A ``null`` for a
 field we know means "the default". Ranges follow the OpenAI API (and ``SamplingParams``).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from specdecode.runtime.engine.sequence import SamplingParams
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_TOP_K = 2**31 - 1  # past any vocabulary (all of it); larger values would overflow the sampler's tensors
+MAX_LOGIT_BIAS = 100.0  # |bias| added to a token's logit (OpenAI's range)
 
 
 class UnsupportedField(ValueError):
@@ -88,6 +89,22 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    logit_bias: dict[int, float] = {}  # token id → bias added to its logit before sampling
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_to_biases(cls, v: Any) -> Any:
+        """OpenAI's shape: a JSON object from token ids (as strings) to biases in [-100, 100]."""
+        if not isinstance(v, dict):
+            raise ValueError("must be an object from token ids to biases")
+        out = {}
+        for key, bias in v.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be numbers in [-100, 100], got {bias!r} for token {key}")
+            out[int(key)] = float(bias)
+        return out
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -120,6 +137,10 @@ class _GenerationRequest(_Request):
     def num_logprobs(self) -> int | None:
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -133,6 +154,8 @@ class _GenerationRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
+            logit_bias=tuple(self.logit_bias.items()),
             n=self.n,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None,
         )
@@ -144,13 +167,13 @@ class _GenerationRequest(_Request):
 class CompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "best_of": (None, 1),
-        "echo": (None, False),
         "suffix": (None, ""),
-        "logit_bias": (None, {}),
     }
 
     prompt: str | list[Annotated[int, Field(ge=0)]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt only (checked when served)
+    echo: bool = False  # the prompt before the completion (with its logprobs when ``logprobs`` is set)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -166,11 +189,15 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None for an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -251,7 +278,6 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "logit_bias": (None, {}),
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "parallel_tool_calls": (None,),

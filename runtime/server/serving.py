@@ -41,7 +41,7 @@ from specdecode.runtime.server.errors import (
     internal_error,
     overloaded,
 )
-from specdecode.runtime.server.logprobs import CompletionLogprobBuilder, TokenTexts
+from specdecode.runtime.server.logprobs import CompletionLogprobBuilder, Echo, TokenTexts
 from specdecode.runtime.server.metrics import RequestTimer, ServerMetrics
 from specdecode.runtime.server.protocol import (
     ChatChoice,
@@ -91,6 +91,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # when echo asked for them
 
 
 @dataclass
@@ -108,6 +109,9 @@ class _Run:
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     last: RequestOutput | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    echo_text: str | None = None  # the prompt a completion with ``echo`` returns before its text
+    echoed: set[int] = field(default_factory=set)  # the choices whose stream has had the echo
 
     def observe(self, out: RequestOutput) -> None:
         self.timer.on_output(out)
@@ -116,8 +120,21 @@ class _Run:
             choice = self.choices.setdefault(d.index, _Choice())
             choice.text.append(d.text)
             choice.logprobs.extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                choice.prompt_logprobs = d.prompt_logprobs
             if d.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+
+    def echo(self, prompt_logprobs: list[TokenLogprob] | None) -> Echo | None:
+        """The echoed prompt's logprob entries, when echo asked for them."""
+        return Echo(self.prompt_ids, prompt_logprobs) if prompt_logprobs is not None else None
+
+    def take_echo_text(self, index: int) -> str:
+        """The echoed prompt text for choice ``index``'s first stream chunk; "" after it."""
+        if self.echo_text is None or index in self.echoed:
+            return ""
+        self.echoed.add(index)
+        return self.echo_text
 
     def finish_reasons(self) -> list[str]:
         """One per choice; a choice that never finished was aborted."""
@@ -225,6 +242,8 @@ class OpenAIServing:
         max_len = self.engine.max_model_len
         what = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         requested = req.requested_max_tokens
+        if requested == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+            raise bad_request("max_tokens: 0 (the prompt alone) is only allowed with echo", "max_tokens")
         if prompt_len >= max_len:
             raise bad_request(
                 f"This model's maximum context length is {max_len} tokens. However, your {what} resulted in "
@@ -243,10 +262,26 @@ class OpenAIServing:
     async def _engine_inputs(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """Prompt ids (tokenized in a worker thread) and sampling parameters."""
         prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
+        self._check_logit_bias(req)
         try:
             return prompt_ids, req.sampling_params(self._max_tokens(req, len(prompt_ids)))
         except ValueError as exc:  # SamplingParams re-checks ranges the protocol already enforces
             raise bad_request(str(exc)) from None
+
+    def _check_logit_bias(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        vocab = self.engine.tokenizer.vocab_size
+        outside = [token_id for token_id in req.logit_bias if token_id >= vocab]
+        if outside:
+            raise bad_request(f"logit_bias: token id {outside[0]} is not in the vocabulary [0, {vocab})", "logit_bias")
+
+    async def _echo_text(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]) -> str | None:
+        """The prompt a completion with ``echo`` returns: as sent, or decoded from its token ids
+        (special tokens kept, so the text matches the echoed tokens) in a worker thread."""
+        if not isinstance(req, CompletionRequest) or not req.echo:
+            return None
+        if isinstance(req.prompt, str):
+            return req.prompt
+        return await asyncio.to_thread(self.engine.tokenizer.decode, prompt_ids, False)
 
     def _check_serving(self) -> None:
         if self.state.draining:
@@ -267,6 +302,7 @@ class OpenAIServing:
         handed_off = False
         try:
             prompt_ids, params = await self._engine_inputs(req)
+            echo_text = await self._echo_text(req, prompt_ids)
             chat = isinstance(req, ChatCompletionRequest)
             response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             timer = RequestTimer()
@@ -281,7 +317,7 @@ class OpenAIServing:
             except ValueError as exc:  # the engine refused the request (its message is for the user)
                 raise bad_request(str(exc)) from None
             run = _Run(chat, response_id, request.state.request_id, self.served_model_name, req.n, stream, first,
-                       timer)
+                       timer, prompt_ids=prompt_ids, echo_text=echo_text)
             if req.stream:
                 handed_off = True
                 return _SSEResponse(self._stream(run, req))
@@ -321,7 +357,7 @@ class OpenAIServing:
             while True:
                 run.observe(out)
                 for delta in out.deltas:
-                    if delta.text or delta.finish_reason or delta.logprobs:
+                    if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
                         yield self._stream_chunk(run, req, delta, builders)
                 if out.finished:
                     break
@@ -349,7 +385,7 @@ class OpenAIServing:
     def _stream_chunk(self, run: _Run, req, delta: CompletionDelta, builders: list[CompletionLogprobBuilder]) -> str:
         if run.chat:
             return self._chat_chunk(run, req, [self._chat_stream_choice(delta, req)])
-        return self._completion_chunk(run, req, [self._completion_stream_choice(delta, req, builders)])
+        return self._completion_chunk(run, req, [self._completion_stream_choice(run, delta, req, builders)])
 
     # -- response shapes ----------------------------------------------------------------------
     def _chat_logprobs(self, logprobs: list[TokenLogprob], req) -> ChatLogprobs | None:
@@ -373,8 +409,9 @@ class OpenAIServing:
         choices = [
             CompletionChoice(
                 index=i,
-                text="".join(c.text),
-                logprobs=CompletionLogprobBuilder(self.texts).build(c.logprobs) if req.logprobs is not None else None,
+                text=(run.echo_text or "") + "".join(c.text),
+                logprobs=(CompletionLogprobBuilder(self.texts).build(c.logprobs, run.echo(c.prompt_logprobs))
+                          if req.logprobs is not None else None),
                 finish_reason=c.finish_reason.value if c.finish_reason else None,
                 stop_reason=c.stop_reason,
             )
@@ -392,12 +429,13 @@ class OpenAIServing:
             stop_reason=delta.stop_reason,
         )
 
-    def _completion_stream_choice(self, delta: CompletionDelta, req: CompletionRequest,
+    def _completion_stream_choice(self, run: _Run, delta: CompletionDelta, req: CompletionRequest,
                                   builders: list[CompletionLogprobBuilder]) -> CompletionStreamChoice:
-        logprobs = builders[delta.index].build(delta.logprobs) if req.logprobs is not None else None
+        builder = builders[delta.index]
+        logprobs = builder.build(delta.logprobs, run.echo(delta.prompt_logprobs)) if req.logprobs is not None else None
         return CompletionStreamChoice(
             index=delta.index,
-            text=delta.text,
+            text=run.take_echo_text(delta.index) + delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason.value if delta.finish_reason else None,
             stop_reason=delta.stop_reason,
