@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 
@@ -502,3 +503,25 @@ def test_speculation_usage_override_and_metrics(sharp, make_engine):
     assert m[("specdecode:spec_decode_enabled", ())] == 1
     for position, count in enumerate(on["accepted_per_position"]):
         assert m[("specdecode:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(position)),))] == count
+
+
+def test_a_starting_engine_is_never_seen_dead(tiny_hf_model_dir, monkeypatch):
+    """``serve`` starts the engine in a thread while uvicorn asks ``dead`` every tick: at no point
+    of the start, the stepping thread's own included, may it answer True (the server would exit)."""
+    engine = tiny_engine(tiny_hf_model_dir)
+    seen: list[bool] = []
+    real_start = threading.Thread.start
+
+    def start_watched(thread: threading.Thread) -> None:
+        seen.append(engine.dead)
+        real_start(thread)
+        seen.append(engine.dead)
+
+    monkeypatch.setattr(threading.Thread, "start", start_watched)
+    try:
+        engine.start()
+        seen.append(engine.dead)
+    finally:
+        monkeypatch.undo()
+        engine.shutdown()
+    assert seen and not any(seen)

@@ -149,8 +149,9 @@ class AsyncEngine:
     def start(self) -> None:
         """Warm up (one real step, so the first request does not pay for it) and start stepping."""
         self._warm_up()
-        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: until then ``dead`` would see a stopped thread
         self.ready = True
 
     def shutdown(self) -> None:
