@@ -52,6 +52,23 @@ def serve(engine: AsyncEngine, **server_fields) -> Iterator[str]:
         assert not thread.is_alive(), "uvicorn did not stop"
 
 
+@contextmanager
+def started(engine: AsyncEngine) -> Iterator[AsyncEngine]:
+    """``engine`` stepping (warmed up) until the block ends."""
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def serving(engine: AsyncEngine) -> Iterator[str]:
+    """``engine`` started and served; its URL."""
+    with started(engine), serve(engine) as url:
+        yield url
+
+
 def tiny_engine(model_dir, **scheduler) -> AsyncEngine:
     cfg = EngineConfig(
         load=LoadConfig(model=str(model_dir), weight_cache_dir=None),

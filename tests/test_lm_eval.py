@@ -44,18 +44,13 @@ def write_tasks(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smol_url(smollm2, make_engine):
-    from server_harness import serve
+    from server_harness import serving
 
     from specdecode.runtime.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(make_engine(smollm2.model, smollm2.tokenizer, spec={"method": "ngram", "num_speculative_tokens": 4}),
-                         "smollm2", 8)
-    engine.start()
-    try:
-        with serve(engine) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with serving(AsyncEngine(make_engine(smollm2.model, smollm2.tokenizer, spec=spec), "smollm2", 8)) as url:
+        yield url
 
 
 def test_lm_eval_local_completions_loglikelihoods_equal_the_model(smollm2, smol_url, full_forward, tmp_path, monkeypatch):

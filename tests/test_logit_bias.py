@@ -127,18 +127,14 @@ def test_ngram_speculation_keeps_the_biased_distribution_of_the_first_three_outp
 
 @pytest.fixture(scope="module")
 def url(sharp, make_engine):
-    from server_harness import serve
+    from server_harness import serving
 
     from specdecode.runtime.engine.async_engine import AsyncEngine
 
     model, tok = sharp
-    engine = AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}), "tiny", 8)
-    engine.start()
-    try:
-        with serve(engine) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with serving(AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}),
+                             "tiny", 8)) as url:
+        yield url
 
 
 def test_chat_and_completions_take_logit_bias(url, sharp):

@@ -109,18 +109,14 @@ def test_prompt_logprobs_survive_preemption(tiny, make_engine, full_forward):
 @pytest.fixture(scope="module")
 def spec_url(tiny, make_engine):
     """The tiny model served with n-gram speculation on."""
-    from server_harness import serve
+    from server_harness import serving
 
     from specdecode.runtime.engine.async_engine import AsyncEngine
 
     model, tok = tiny
-    engine = AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}), "tiny", 8)
-    engine.start()
-    try:
-        with serve(engine) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with serving(AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}),
+                             "tiny", 8)) as url:
+        yield url
 
 
 def completion(url: str, **body) -> dict:

@@ -23,6 +23,7 @@ from server_harness import (
     post,
     serve,
     sse_payloads,
+    started,
     tiny_engine,
     wait_until,
 )
@@ -35,10 +36,8 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf_model_dir):
-    engine = tiny_engine(tiny_hf_model_dir)
-    engine.start()
-    yield engine
-    engine.shutdown()
+    with started(tiny_engine(tiny_hf_model_dir)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

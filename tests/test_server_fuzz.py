@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from server_harness import TIMEOUT, serve, tiny_engine
+from server_harness import TIMEOUT, serve, started, tiny_engine
 
 CHAT = [{"role": "user", "content": "hello there"}]
 DEEP = 800  # parsed by json (under its recursion limit), refused by validation
@@ -165,10 +165,8 @@ def greedy(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> t
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf_model_dir):
-    engine = tiny_engine(tiny_hf_model_dir)
-    engine.start()
-    yield engine
-    engine.shutdown()
+    with started(tiny_engine(tiny_hf_model_dir)) as engine:
+        yield engine
 
 
 def test_hostile_requests_during_greedy_streams(engine):

@@ -19,7 +19,17 @@ import httpx
 import openai
 import pytest
 from local_process import free_port, wait_ready
-from server_harness import CHAT, TIMEOUT, check_error, post, serve, sse_payloads, tiny_engine, wait_until
+from server_harness import (
+    CHAT,
+    TIMEOUT,
+    check_error,
+    post,
+    serve,
+    sse_payloads,
+    started,
+    tiny_engine,
+    wait_until,
+)
 
 from specdecode.runtime.cli import build_parser
 from specdecode.runtime.engine.async_engine import FinishRate
@@ -31,10 +41,8 @@ LONG = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf_model_dir):
-    engine = tiny_engine(tiny_hf_model_dir)
-    engine.start()
-    yield engine
-    engine.shutdown()
+    with started(tiny_engine(tiny_hf_model_dir)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
