@@ -15,7 +15,7 @@ The validating webhook answers on ``/{WEBHOOK_ID}``
 
 Deletion needs no handler of its own: every child carries a controller owner reference, so the
 garbage collector removes them with the resource. kopf puts a finalizer on resources while the
-analysis daemon runs, only to stop the daemon first.
+analysis daemon or the resync timer runs, only to stop them first.
 """
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ from typing import Any
 import kopf
 
 from specdecode.operator import controller, names
+from specdecode.operator.reconcile import INVALID_SPEC
 from specdecode.operator.resolve import admit
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
 WORKLOADS, RUNTIME_PODS = controller.WORKLOAD_LABELS, controller.RUNTIME_POD_LABELS  # the API server filters too
 STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
+RESYNC_SECONDS = 10.0  # how often a resource waiting on its workloads is reconciled without an event
 
 
 @kopf.on.startup()
@@ -83,6 +85,21 @@ async def interval_passed(stopped: kopf.DaemonStopped, seconds: float) -> bool:
             return True
         await asyncio.sleep(min(left, STOP_CHECK_SECONDS))
     return False
+
+
+def waiting_on_workloads(status: kopf.Status, **_: Any) -> bool:
+    """Not Ready, no canary (the analysis daemon moves rollouts) and not refused for its spec."""
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return not status.get("canaryRevision") and ready.get("status") != "True" and ready.get("reason") != INVALID_SPEC
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, when=waiting_on_workloads)
+def resync(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Readiness noticed without the workload's event. kopf starts watching an API installed
+    mid-life (LeaderWorkerSet) when its CRD changes, by reading the API server's discovery then;
+    the CRD's last event can come before discovery lists the group, and kopf then never watches
+    it (until restarted), so no LeaderWorkerSet event would ever reach ``workload_changed``."""
+    controller.reconcile(memo.ctx, namespace, name, logger)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)

@@ -15,8 +15,9 @@ adds what a real API server does that kopf, the operator and these tests rely on
   against Kubernetes' own schema (kubernetes_validate, ``K8S_VERSION``): a required field missing
   (an env entry without a name) or an enum or type broken is a 422 too, but the server's further
   rules (quantities, name formats, cross-field checks) are not;
-- Deployments, StatefulSets and LeaderWorkerSets are ready as soon as they are written (a stand-in
-  for their controllers and the kubelet: no pods are made; tests create the pods they need);
+- Deployments, StatefulSets and LeaderWorkerSets are ready as soon as they are created or their
+  spec changes (a stand-in for their controllers and the kubelet: no pods are made; tests create
+  the pods they need); a write that changes nothing leaves their status as it is;
 - ``labelSelector`` on lists and watches (equality, inequality, existence),
   ``GET /api/v1/namespaces[/name]`` and ``GET /apis/`` (kmock cannot route them), 409 on a stale
   ``metadata.resourceVersion`` in a patch;
@@ -184,6 +185,11 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def install_crd(self, crd: Obj) -> None:
         """Serve the CRD's resource (discovery, schema) and store the CRD object itself."""
+        self.serve_crd(crd)
+        self.store_crd(crd)
+
+    def serve_crd(self, crd: Obj) -> None:
+        """List the CRD's resource in discovery and serve it (with its schema)."""
         spec, crd_names = crd["spec"], crd["spec"]["names"]
         for version in spec["versions"]:
             res = kmock.resource(spec["group"], version["name"], crd_names["plural"])
@@ -194,6 +200,10 @@ class ApiServer(kmock.KubernetesEmulator):
             self._kinds[res] = crd_names["kind"]
             schema = strict_schema(version["schema"]["openAPIV3Schema"])
             self._schemas[res] = jsonschema.Draft4Validator(schema)
+
+    def store_crd(self, crd: Obj) -> None:
+        """Store the CRD object (watchers of CRDs get its event). Alone, before ``serve_crd``: a
+        CRD whose event comes before discovery lists its group, as on a busy real API server."""
         stored = copy.deepcopy(crd)
         stored["metadata"] |= self._new_metadata()
         self.objects[CRDS, None, crd["metadata"]["name"]] = stored
@@ -306,10 +316,10 @@ class ApiServer(kmock.KubernetesEmulator):
         if not applied:
             meta["managedFields"] = kube_fields.updated(current, after, field_manager(request), _now())
         meta["resourceVersion"] = self._next_version()
-        if _essence(after) != _essence(current):
+        if changed := _essence(after) != _essence(current):
             meta["generation"] = current["metadata"].get("generation", 0) + 1
-        if request.resource in INSTANTLY_READY and request.subresource is None:
-            patch["status"] = _ready(merge_patch(current, patch))
+        if request.resource in INSTANTLY_READY and request.subresource is None and changed:
+            patch["status"] = _ready(merge_patch(current, patch))  # its controller's answer to a new generation
         request.data.clear()
         request.data.update(patch)
 

@@ -264,11 +264,6 @@ def outlast_the_operators_discovery(cluster: RealCluster) -> None:
     cluster.until(established_long_enough, "the operator's discovery to expire", timeout=ROLLOUT_SECONDS)
 
 
-def kopf_listed_leader_worker_sets(cluster: RealCluster) -> bool:
-    """Whether kopf listed LeaderWorkerSets (the start of its watch)."""
-    return any(_listed_leader_worker_sets(e, "kopf/") for e in cluster.operator_requests())
-
-
 def operator_listed_leader_worker_sets(cluster: RealCluster, name: str) -> bool:
     """Whether the operator's own client listed resource ``name``'s LeaderWorkerSets (its discovery
     found the API in a reconciliation of ``name``)."""
@@ -276,13 +271,9 @@ def operator_listed_leader_worker_sets(cluster: RealCluster, name: str) -> bool:
         selector = urllib.parse.parse_qs(urllib.parse.urlsplit(uri).query).get("labelSelector", [""])[0]
         return f"{names.LABEL_INSTANCE}={name}" in selector.split(",")
 
-    return any(_listed_leader_worker_sets(e, f"{KUBERNETES_CLIENT}/") and of_name(e["requestURI"])
-               for e in cluster.operator_requests())
-
-
-def _listed_leader_worker_sets(event: Obj, user_agent: str) -> bool:
-    return (event["verb"] == "list" and event["objectRef"].get("resource") == LWS.plural
-            and event["userAgent"].startswith(user_agent) and event["responseStatus"]["code"] == 200)
+    return any(e["verb"] == "list" and e["objectRef"].get("resource") == LWS.plural
+               and e["userAgent"].startswith(f"{KUBERNETES_CLIENT}/") and e["responseStatus"]["code"] == 200
+               and of_name(e["requestURI"]) for e in cluster.operator_requests())
 
 
 def leader_worker_sets(cluster: RealCluster, name: str) -> set[str]:
@@ -335,7 +326,6 @@ def test_leader_worker_set_registered_mid_life_changes_nothing_until_asked_for(
     watch = SelectorWatch(cluster, "ch-mid")
     try:
         install_crds(cluster.apps.api_client, [leader_worker_set_crd()], cluster.plane.processes)
-        cluster.until(lambda: kopf_listed_leader_worker_sets(cluster), "kopf watching LeaderWorkerSets")
         outlast_the_operators_discovery(cluster)
         cluster.patch("ch-mid", {"spec": {"replicas": 3}})
         cluster.settled("ch-mid")
