@@ -36,6 +36,7 @@ from specdecode.runtime.engine.block_manager import BlockManager
 from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
 from specdecode.runtime.engine.load_control import LoadController
 from specdecode.runtime.engine.execution import Execution, LocalExecution, StepResult
+from specdecode.runtime.engine.grammar import GrammarCompiler
 from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep, num_kv_blocks
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq, Scheduler
@@ -145,6 +146,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         overlap = cfg.scheduler.overlap
         self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
@@ -162,6 +164,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError with a user-facing message if it can never run."""
         self._validate(request_id, prompt_token_ids, params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a ValueError before any sequence exists
         now = time.monotonic()
         completions = []
         for index in range(params.n):
@@ -169,6 +173,8 @@ class LLMEngine:
             seq = Sequence(
                 next(self._seq_ids), request_id, index, list(prompt_token_ids), len(prompt_token_ids), params, now, seed
             )
+            if params.structured is not None:
+                seq.grammar = self.grammars.grammar(params.structured)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
             completions.append(_Completion(seq, detok))
             self.scheduler.add(seq)
@@ -231,7 +237,22 @@ class LLMEngine:
         if self.execution.draft_slots_ahead:
             for item in deciding:  # best effort: never preempts (the proposer drafts less where it gets none)
                 self.blocks.grow(item.seq, item.start + item.num_tokens + self.execution.draft_slots_ahead)
-        return _Plan(scheduled, inputs, deciding, [self._sampler_row(item) for item in deciding])
+        rows = [self._sampler_row(item) for item in deciding]
+        self._mask_rows(deciding, rows)
+        return _Plan(scheduled, inputs, deciding, rows)
+
+    def _mask_rows(self, deciding: list[ScheduledSeq], rows: list[SamplerRow]) -> None:
+        """Give the rows of constrained sequences their grammar masks (grammar.py), in one llguidance call."""
+        constrained = [(item.seq.grammar, row) for item, row in zip(deciding, rows) if item.seq.grammar is not None]
+        if not constrained:
+            return
+        jobs, first = [], 0
+        for grammar, row in constrained:
+            jobs.append((grammar, first, row.draft_token_ids))
+            first += row.num_rows
+        masks = self.grammars.fill_masks(jobs, first)  # [Σ rows, ceil(V/32)]
+        for (_, row), (_, first, _) in zip(constrained, jobs):
+            row.allowed = masks[first : first + row.num_rows]
 
     def _launchable(self, plan: _Plan | None) -> _Plan | None:
         """The prepared ``plan`` without the sequences that stopped running since (aborted; rebuilt then)."""
@@ -312,7 +333,17 @@ class LLMEngine:
         proposal = self.proposer.propose([item.seq for item in asked], [item.num_draft for item in asked])
         self.load_control.observe_proposal([item.num_draft for item in asked], [len(t) for t in proposal.token_ids])
         for i, (item, tokens) in enumerate(zip(asked, proposal.token_ids)):
-            item.set_drafts(tokens, None if proposal.probs is None else proposal.probs[i])
+            item.set_drafts(self._grammar_drafts(item.seq, tokens), None if proposal.probs is None else proposal.probs[i])
+
+    @staticmethod
+    def _grammar_drafts(seq: Sequence, tokens: list[int]) -> list[int]:
+        """A greedy constrained sequence scores its drafts only up to the first one its grammar
+        forbids (that one would be rejected; greedy verification reads no draft distribution, so
+        dropping it changes nothing but the cost). Sampled ones keep theirs: under rejection
+        sampling, dropping a draft drawn from a distribution would change what is emitted."""
+        if seq.grammar is None or not seq.params.greedy:
+            return tokens
+        return tokens[: seq.grammar.valid_prefix(tokens)]
 
     def _forget_preempted(self) -> None:
         """Preempted sequences lost their KV: proposers that keep state in the target's slots recompute it."""
@@ -407,10 +438,15 @@ class LLMEngine:
             self._finish(completion, FinishReason.STOP, token_id)
         elif token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self._finish(completion, FinishReason.STOP, None)
+        elif seq.grammar is not None and not seq.grammar.advance(token_id):
+            log.error("request %s: the grammar refused emitted token %d (a mask was not applied)", seq.request_id, token_id)
+            self._finish(completion, FinishReason.ABORT, None)
         else:
             completion.detok.append(token_id)
             if completion.detok.stop_reason is not None:
                 self._finish(completion, FinishReason.STOP, completion.detok.stop_reason)
+            elif seq.grammar is not None and seq.grammar.complete:
+                self._finish(completion, FinishReason.STOP, None)
             elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
                 self._finish(completion, FinishReason.LENGTH, None)
 

@@ -2,7 +2,8 @@
 
 Order, as in vLLM: logprobs come from the *raw* logits (what the model believes, vLLM's default
 ``raw_logprobs``: neither penalties nor ``logit_bias`` change them); frequency and presence
-penalties and the request's ``logit_bias``, then temperature, top-k and top-p shape the
+penalties, the request's ``logit_bias`` and its grammar mask (structured outputs: disallowed tokens
+at −inf), then temperature, top-k and top-p shape the
 distribution that is sampled. A sequence scores ``k + 1`` rows in a step (its pending token and ``k`` draft tokens);
 row ``j`` predicts the token after ``drafts[:j]``, so its penalties count those drafts too.
 """
@@ -25,6 +26,7 @@ class SamplerRow:
     output_token_ids: list[int]  # generated so far (for penalties)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]; None = one-hot drafts
+    allowed: torch.Tensor | None = None  # [num_rows, ceil(V/32)] int32 packed grammar bitmask (grammar.py); None = any
 
     @property
     def num_rows(self) -> int:
@@ -61,6 +63,29 @@ def apply_logit_bias(
             ids, bias = zip(*row.params.logit_bias)
             logits[start : start + row.num_rows, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         start += row.num_rows
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor,  # [R, V] fp32 (R = Σ num_rows), modified in place
+    rows: list[SamplerRow],
+) -> None:
+    """Set every token a row's grammar forbids to −inf (bit ``t % 32`` of word ``t // 32`` = token ``t``)."""
+    index: list[int] = []
+    packed: list[torch.Tensor] = []
+    start = 0
+    for row in rows:
+        if row.allowed is not None:
+            index += range(start, start + row.num_rows)
+            packed.append(row.allowed)
+        start += row.num_rows
+    if not packed:
+        return
+    dev = logits.device
+    words = torch.cat(packed).to(dev)  # [M, W]
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1  # [M, W, 32]
+    allowed = bits.view(len(index), -1)[:, : logits.shape[1]].bool()  # [M, V]
+    rows_index = torch.tensor(index, device=dev)
+    logits[rows_index] = logits.index_select(0, rows_index).masked_fill(~allowed, float("-inf"))
 
 
 def top_k_top_p_filter(

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from specdecode.runtime.engine.grammar import Grammar, StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +30,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before sampling)
     n: int = 1
     num_speculative_tokens: int | None = None  # per-request cap on draft tokens (0 = no speculation)
+    structured: StructuredOutput | None = None  # the language the output must belong to (grammar.py)
 
     def __post_init__(self) -> None:
         checks = {
@@ -46,6 +49,9 @@ class SamplingParams:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid value for {bad[0]}: {getattr(self, bad[0])!r}")
+        if self.structured is not None and (self.ignore_eos or self.stop or self.stop_token_ids):
+            # each would end (or never end) an output where the grammar does not: "stop" must mean valid
+            raise ValueError("ignore_eos, stop and stop_token_ids cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +135,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # [i] = prompt token i + 1's, when asked
     first_token_time: float | None = None
     spec: SpecCounts = field(default_factory=SpecCounts)
+    grammar: Grammar | None = None  # advanced by emitted tokens only, when the request has a constraint
 
     def __len__(self) -> int:
         return len(self.token_ids)

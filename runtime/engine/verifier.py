@@ -6,8 +6,9 @@ the drafts the target agrees with, in order; at the first rejected position the 
 sampled from the row after them. A sequence without drafts is the plain case: it emits one
 token from its only row, so sampling without speculation is verification of zero drafts.
 
-Every row is judged against the target's distribution after the request's penalties and
-``logit_bias``, so speculation keeps that distribution (greedy: the argmax of the biased logits).
+Every row is judged against the target's distribution after the request's penalties,
+``logit_bias`` and grammar mask, so speculation keeps that distribution (greedy: the argmax of the
+masked, biased logits); a draft the grammar forbids has probability zero and is never accepted.
 Greedy requests (temperature 0) always verify by argmax. Sampled requests use the configured
 strategy; ``greedy`` as a strategy means ``target_match`` for them, its lossless sampled analogue.
 """
@@ -28,6 +29,7 @@ from specdecode.runtime.config import VerifyStrategy
 from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.sampler import (
     SamplerRow,
+    apply_grammar_masks,
     apply_logit_bias,
     apply_penalties,
     gather_logprobs,
@@ -57,6 +59,7 @@ class Verifier:
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
+        apply_grammar_masks(logits, rows)
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + r.num_rows)
