@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from specdecode.runtime.engine.grammar import Grammar, StructuredOutput
+if TYPE_CHECKING:  # this module stays torch-free (``specdecode validate`` imports it without torch)
+    from specdecode.runtime.engine.grammar import Grammar, StructuredOutput
 
 
 @dataclass(frozen=True)
