@@ -8,6 +8,7 @@
   rank 0 derived from the verdicts: after a rejection the next step's positions on every stage
   start where the accepted tokens end (``--trace-steps``).
 - The verdict message stays within R·(K+1) tokens + 2R counts (+ R·K drafts).
+- Prompt logprobs are refused under PP, naming it.
 - Overlap by recorded event order; MTP × PP warns once with the gate; a killed rank brings every
   rank down with a non-zero exit, rank 0's /health answering 503 first; a taken rendezvous port
   fails at once.
@@ -83,6 +84,13 @@ DRIVER = textwrap.dedent("""
         return {"outputs": {n: [out[f"{n}/{i}"] for i in range(len(prompts))] for n in names},
                 "events": list(engine.events), "after_finish": after_finish, "logprobs_ok": logprobs_ok}
 
+    def prompt_logprobs_refusal(engine, prompt):
+        try:
+            engine.add_request("prompt-logprobs", prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     if __name__ == "__main__":
         configs, prompts, max_tokens = (json.loads(a) for a in sys.argv[1:4])
         for raw in configs:
@@ -93,6 +101,7 @@ DRIVER = textwrap.dedent("""
                 result = {"method": cfg.speculative.method.value,
                           "runs": {str(o): run(engine, prompts, max_tokens, o) for o in (True, False)},
                           "drafts": engine.spec.num_draft_tokens, "accepted": engine.spec.num_accepted_tokens,
+                          "prompt_logprobs_refusal": prompt_logprobs_refusal(engine, prompts[0]),
                           "stats": vars(engine.execution.stats) if hasattr(engine.execution, "stats") else None}
             finally:
                 async_engine.shutdown()
@@ -233,6 +242,14 @@ def test_seeded_sampling_with_target_match_equals_tp1_pp1_no_spec_exactly(layout
     for method in ("ngram", "suffix", "mtp"):
         for overlap, run in layouts[layout]["results"][method]["runs"].items():
             assert run["outputs"]["sampled"] == expected_sampled, (method, overlap)
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_prompt_logprobs_are_refused_naming_pipeline_parallelism(layout, layouts):
+    """A request for prompt logprobs (echo with logprobs) is refused with a message naming pipeline
+    parallelism, never answered without them."""
+    for method, result in layouts[layout]["results"].items():
+        assert result["prompt_logprobs_refusal"] == "prompt logprobs are not available with pipeline parallelism", method
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "suffix"])
