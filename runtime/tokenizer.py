@@ -19,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
@@ -171,16 +172,27 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like transformers: sandboxed, trim_blocks + lstrip_blocks, its globals and filters."""
+@lru_cache(maxsize=1)
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """Like transformers': sandboxed, trim_blocks + lstrip_blocks, its globals and filters."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> jinja2.Template:
+    return _template_env().from_string(source)
+
+
+@lru_cache(maxsize=8)
+def template_reads_tools(source: str) -> bool:
+    """Whether a chat template reads the ``tools`` variable (renders tool definitions itself)."""
+    return "tools" in jinja2.meta.find_undeclared_variables(_template_env().parse(source))
 
 
 @dataclass(frozen=True)
@@ -276,6 +288,10 @@ class Tokenizer:
         return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
 
     # -- chat -----------------------------------------------------------------------------------
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        return bool(self.chat_template) and template_reads_tools(self.chat_template)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
