@@ -133,7 +133,7 @@ CASES = [
     ("no messages", CH, {"messages": []}, {}, 400, "messages"),
     ("an empty message", CH, {"messages": [{}]}, {}, 400, "messages[0].role"),
     ("a null message", CH, {"messages": [None]}, {}, 400, "messages[0]"),
-    ("role tool", CH, message(role="tool", content="x"), {}, 400, "messages[0].role"),
+    ("a tool message answering no call", CH, message(role="tool", content="x"), {}, 400, "messages[0].tool_call_id"),
     ("role robot", CH, message(role="robot", content="x"), {}, 400, "messages[0].role"),
     ("no content", CH, message(role="user"), {}, 400, "messages[0].content"),
     ("an empty prompt", C, completion(prompt=""), {}, 400, "prompt"),

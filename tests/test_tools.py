@@ -1,5 +1,6 @@
 """Tool calling without a model: the Hermes/Qwen2.5 parser (whole and streamed at every split),
-the prompt (a template that renders tools, and the default prompt) and the forced-choice grammar."""
+the prompt (a template that renders tools, and the default prompt), the forced-choice grammar and
+the request checks."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import pytest
 from llguidance import LLMatcher
 
 from specdecode.runtime.engine.grammar import llguidance_tokenizer
+from specdecode.runtime.server.errors import APIError, validate_body
+from specdecode.runtime.server.protocol import ChatCompletionRequest
 from specdecode.runtime.server.tools import (
     DEFAULT_TOOL_PROMPT,
     ParsedMessage,
@@ -183,3 +186,43 @@ def test_forced_choice_grammar_accepts_valid_calls_and_refuses_others(tiny):
     assert not accepts(several, good.replace('"city"', '"town"'))  # misses the required city
     assert not accepts(several, good.replace("get_weather", "get_wether"))
     assert not accepts(several, "Sure! " + good)
+
+
+# ------------------------------------------------------------------------------------ requests
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"messages": [{"role": "tool", "content": "22 C"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+])
+def test_bad_tool_requests_name_the_field(body, param):
+    with pytest.raises(APIError) as refused:
+        validate_body(ChatCompletionRequest, {"messages": CHAT, **body})
+    assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+
+
+def test_tool_choice_defaults_and_a_tool_loop_request():
+    assert validate_body(ChatCompletionRequest, {"messages": CHAT}).tool_mode == "none"
+    req = validate_body(ChatCompletionRequest, {"messages": [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "22 C"}], "tool_call_id": "call_1"},
+    ], "tools": [TOOL]})
+    assert req.tool_mode == "auto" and req.template_messages()[1:] == LOOP[1:3]
+    none = validate_body(ChatCompletionRequest, {"messages": CHAT, "tools": [TOOL], "tool_choice": "none"})
+    assert none.template_tools() is None and none.tool_call_parser() is None

@@ -126,7 +126,8 @@ def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
 
     def tokenized(req: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
         if isinstance(req, TokenizeChatRequest):
-            ids = serving.chat_prompt_ids([m.for_template() for m in req.messages], req.add_generation_prompt)
+            ids = serving.chat_prompt_ids([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                          [t.for_template() for t in req.tools] or None)
         else:
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [engine.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None

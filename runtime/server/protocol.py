@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
+from jsonschema import Draft202012Validator, SchemaError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -21,6 +22,7 @@ from pydantic import (
 )
 
 from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.server.tools import NAME_PATTERN, ToolCallParser, template_arguments
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -250,37 +252,114 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None
+    tool_calls: list[ToolCall] = []  # assistant: the calls it made
+    tool_call_id: str | None = Field(None, validate_default=True)  # tool: the call this message answers
+    content: list[TextPart] | None = Field(None, validate_default=True)  # None: an assistant's calls only
 
     @field_validator("content", mode="before")
     @classmethod
-    def _string_is_one_part(cls, v: Any) -> Any:
+    def _string_is_one_part(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
         if isinstance(v, str):
             return [{"type": "text", "text": v}]
-        if not isinstance(v, list):
+        if v is not None and not isinstance(v, list):
             raise ValueError("content must be a string or a list of text parts")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, v: list[ToolCall], info: ValidationInfo) -> list[ToolCall]:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_messages_answer_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if (v is None) == (info.data.get("role") == "tool"):
+            raise ValueError("tool_call_id is required in tool messages, and allowed only there")
         return v
 
     @property
     def text(self) -> str:
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content or [])
 
-    def for_template(self) -> dict[str, str]:
-        """The message as a chat template expects it (``developer`` is OpenAI's new ``system``)."""
-        msg = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it (Hugging Face's convention: ``developer`` is
+        OpenAI's new ``system``; a call's arguments are a mapping)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments (an object)
+    strict: bool | None = None  # forced calls always follow the schema; auto never is constrained
+
+    @field_validator("name")
+    @classmethod
+    def _openai_name(cls, v: str) -> str:
+        if not NAME_PATTERN.fullmatch(v):
+            raise ValueError("function names are 1 to 64 letters, digits, underscores or dashes")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            Draft202012Validator.check_schema(v)
+        except SchemaError as exc:
+            raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+        if v.get("type", "object") != "object":
+            raise ValueError("the parameters' schema must describe an object")
+        return v
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "parallel_tool_calls": (None,),
         "functions": (None, []),
         "function_call": (None, "none"),
         "response_format": (None, {"type": "text"}),
@@ -298,6 +377,46 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extension, also used by /tokenize
+    tools: list[ToolDefinition] = []
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True  # false: at most one call
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[ToolDefinition]) -> list[ToolDefinition]:
+        names = [t.function.name for t in v]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if v != "none" and not tools:
+            raise ValueError("tool_choice needs tools (only 'none' is allowed without them)")
+        if isinstance(v, NamedToolChoice) and v.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"the function {v.function.name!r} is not among the tools")
+        return v
+
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (see ``tool_choice``)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows: none under ``tool_choice: "none"``."""
+        return [t.for_template() for t in self.tools] if self.tool_mode != "none" else None
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """A parser for one choice's text; None when no calls are read (no tools, or ``none``)."""
+        if self.tool_mode == "none":
+            return None
+        return ToolCallParser(frozenset(t.function.name for t in self.tools),
+                              guaranteed=self.tool_mode in ("required", "named"),
+                              max_calls=None if self.parallel_tool_calls else 1)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -314,7 +433,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
 
@@ -335,6 +454,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -355,13 +475,34 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str  # a fragment of the JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # in a call's first delta, with type and the function's name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _only_set(self) -> dict[str, Any]:
+        out = {"index": self.index, "id": self.id, "type": self.type}
+        function = {"name": self.function.name, "arguments": self.function.arguments}
+        return {k: v for k, v in out.items() if v is not None} | {
+            "function": {k: v for k, v in function.items() if v is not None}}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    def _only_set(self) -> dict[str, Any]:
+        fields = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
@@ -421,6 +562,7 @@ class TokenizeCompletionRequest(_Request):
 class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] = []
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -56,10 +56,23 @@ from specdecode.runtime.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
     SpeculativeUsage,
+    ToolCall,
     UsageInfo,
+)
+from specdecode.runtime.server.tools import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ParsedMessage,
+    ToolCallParser,
+    ToolEvent,
+    prompt_messages,
 )
 
 log = logging.getLogger(__name__)
@@ -112,6 +125,13 @@ class _Run:
     prompt_ids: list[int] = field(default_factory=list)
     echo_text: str | None = None  # the prompt a completion with ``echo`` returns before its text
     echoed: set[int] = field(default_factory=set)  # the choices whose stream has had the echo
+    new_tool_parser: Callable[[], ToolCallParser | None] = lambda: None
+    tool_parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)  # per streamed choice
+
+    def tool_parser(self, index: int) -> ToolCallParser | None:
+        if index not in self.tool_parsers:
+            self.tool_parsers[index] = self.new_tool_parser()
+        return self.tool_parsers[index]
 
     def observe(self, out: RequestOutput) -> None:
         self.timer.on_output(out)
@@ -216,16 +236,19 @@ class OpenAIServing:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        messages, tools = prompt_messages(messages, tools, tokenizer.chat_template_renders_tools)
         try:
-            text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
-            return self.chat_prompt_ids(req.template_messages(), req.add_generation_prompt)
+            return self.chat_prompt_ids(req.template_messages(), req.add_generation_prompt, req.template_tools())
         if isinstance(req.prompt, str):
             ids = self.engine.tokenizer.encode(req.prompt, add_special_tokens=True)
         else:
@@ -318,6 +341,8 @@ class OpenAIServing:
                 raise bad_request(str(exc)) from None
             run = _Run(chat, response_id, request.state.request_id, self.served_model_name, req.n, stream, first,
                        timer, prompt_ids=prompt_ids, echo_text=echo_text)
+            if chat:
+                run.new_tool_parser = req.tool_call_parser
             if req.stream:
                 handed_off = True
                 return _SSEResponse(self._stream(run, req))
@@ -358,7 +383,9 @@ class OpenAIServing:
                 run.observe(out)
                 for delta in out.deltas:
                     if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
-                        yield self._stream_chunk(run, req, delta, builders)
+                        chunk = self._stream_chunk(run, req, delta, builders)
+                        if chunk is not None:
+                            yield chunk
                 if out.finished:
                     break
                 out = await anext(run.stream)
@@ -382,9 +409,11 @@ class OpenAIServing:
             self.metrics.record_finished(run.timer, run.finish_reasons())
             self.state.inflight -= 1
 
-    def _stream_chunk(self, run: _Run, req, delta: CompletionDelta, builders: list[CompletionLogprobBuilder]) -> str:
+    def _stream_chunk(self, run: _Run, req, delta: CompletionDelta,
+                      builders: list[CompletionLogprobBuilder]) -> str | None:
         if run.chat:
-            return self._chat_chunk(run, req, [self._chat_stream_choice(delta, req)])
+            choice = self._chat_stream_choice(run, delta, req)
+            return self._chat_chunk(run, req, [choice]) if choice is not None else None
         return self._completion_chunk(run, req, [self._completion_stream_choice(run, delta, req, builders)])
 
     # -- response shapes ----------------------------------------------------------------------
@@ -392,16 +421,21 @@ class OpenAIServing:
         return ChatLogprobs(content=self.texts.chat(logprobs)) if req.logprobs else None
 
     def _chat_response(self, run: _Run, req: ChatCompletionRequest) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
+        choices = []
+        for i, c in sorted(run.choices.items()):
+            message, parser = ChatResponseMessage(content="".join(c.text)), req.tool_call_parser()
+            if parser is not None:
+                parsed = ParsedMessage.of(parser.feed(message.content) + parser.finish())
+                message = ChatResponseMessage(content=parsed.content, tool_calls=[
+                    ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+                    for call_id, name, arguments in parsed.calls])
+            choices.append(ChatChoice(
                 index=i,
-                message=ChatResponseMessage(content="".join(c.text)),
+                message=message,
                 logprobs=self._chat_logprobs(c.logprobs, req),
-                finish_reason=c.finish_reason.value if c.finish_reason else None,
+                finish_reason=_chat_finish_reason(c.finish_reason, parser),
                 stop_reason=c.stop_reason,
-            )
-            for i, c in sorted(run.choices.items())
-        ]
+            ))
         return ChatCompletionResponse(id=run.response_id, created=run.created, model=run.model, choices=choices,
                                       usage=run.usage())
 
@@ -420,12 +454,20 @@ class OpenAIServing:
         return CompletionResponse(id=run.response_id, created=run.created, model=run.model, choices=choices,
                                   usage=run.usage())
 
-    def _chat_stream_choice(self, delta: CompletionDelta, req: ChatCompletionRequest) -> ChatStreamChoice:
+    def _chat_stream_choice(self, run: _Run, delta: CompletionDelta,
+                            req: ChatCompletionRequest) -> ChatStreamChoice | None:
+        """The choice's chunk; None when it carries nothing (text held back by the tool-call parser)."""
+        message, parser = DeltaMessage(content=delta.text), run.tool_parser(delta.index)
+        if parser is not None:
+            events = parser.feed(delta.text) + (parser.finish() if delta.finish_reason else [])
+            message = _tool_delta(events)
+            if message.content is None and message.tool_calls is None and not delta.logprobs and not delta.finish_reason:
+                return None
         return ChatStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text),
+            delta=message,
             logprobs=self._chat_logprobs(delta.logprobs, req),
-            finish_reason=delta.finish_reason.value if delta.finish_reason else None,
+            finish_reason=_chat_finish_reason(delta.finish_reason, parser),
             stop_reason=delta.stop_reason,
         )
 
@@ -448,3 +490,26 @@ class OpenAIServing:
     def _completion_chunk(self, run: _Run, req, choices: list[CompletionStreamChoice]) -> str:
         chunk = CompletionChunk(id=run.response_id, created=run.created, model=run.model, choices=choices)
         return _sse(chunk.model_dump_json(exclude=None if req.include_usage else {"usage"}))
+
+
+def _chat_finish_reason(reason: FinishReason | None, parser: ToolCallParser | None) -> str | None:
+    """``tool_calls`` for an answer that ended by itself after calling tools."""
+    if reason is FinishReason.STOP and parser is not None and parser.num_calls:
+        return "tool_calls"
+    return reason.value if reason else None
+
+
+def _tool_delta(events: list[ToolEvent]) -> DeltaMessage:
+    """Parser events as one delta: content, then calls (a call's first entry has its id and name)."""
+    content, calls = "", []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            content += event.text
+        elif isinstance(event, CallStart):
+            calls.append(DeltaToolCall(index=event.index, id=event.id, type="function",
+                                       function=DeltaFunctionCall(name=event.name, arguments="")))
+        elif isinstance(event, ArgumentsDelta) and calls and calls[-1].index == event.index:
+            calls[-1].function.arguments += event.text
+        else:
+            calls.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
+    return DeltaMessage(content=content or None, tool_calls=calls or None)
