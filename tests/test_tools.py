@@ -184,6 +184,7 @@ def test_forced_choice_grammar_accepts_valid_calls_and_refuses_others(tiny):
     assert accepts(several, good) and accepts(several, f"{good}\n{time_call}") and accepts(one, good)
     assert not accepts(one, f"{good}\n{time_call}")
     assert not accepts(several, good.replace('"city"', '"town"'))  # misses the required city
+    assert not accepts(several, good.replace('"Paris"}', '"Paris", "country": "FR"}'))  # closed: declared keys only
     assert not accepts(several, good.replace("get_weather", "get_wether"))
     assert not accepts(several, "Sure! " + good)
 

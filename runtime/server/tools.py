@@ -118,15 +118,40 @@ def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[st
 
 def tool_choice_lark(tools: list[dict[str, Any]], one_call: bool) -> str:
     """llguidance lark for a forced choice: one block (``one_call``) or several, each a call of one
-    of ``tools`` (``{"name", "parameters"}``) whose arguments match that tool's JSON schema."""
+    of ``tools`` (``{"name", "parameters"}``) whose arguments match that tool's JSON schema, closed
+    (``closed_schema``)."""
     alternatives, rules = [], []
     for i, tool in enumerate(tools):
         head = f'{TOOL_CALL_START}\n{{"name": "{tool["name"]}", "arguments": '
         alternatives.append(f"{json.dumps(head)} args_{i} {json.dumps(chr(125) + chr(10) + TOOL_CALL_END)}")
-        schema = json.dumps(tool.get("parameters") or EMPTY_PARAMETERS, ensure_ascii=False)
+        schema = json.dumps(closed_schema(tool.get("parameters") or EMPTY_PARAMETERS), ensure_ascii=False)
         rules.append(f"args_{i}: %json {schema}")
     start = "start: call" if one_call else 'start: call ("\\n" call)*'
     return "\n".join([start, "call: " + " | ".join(alternatives), *rules])
+
+
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that does not say: a forced
+    call then has only the arguments its function declares (a small model otherwise goes on adding
+    keys until max_tokens), and still matches the client's schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    if "items" in out:
+        out["items"] = closed_schema(out["items"])
+    return out
 
 
 # ------------------------------------------------------------------------------------ parsing
