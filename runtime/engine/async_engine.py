@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdecode.runtime.config import EngineConfig
+from specdecode.runtime.engine.grammar import GrammarCompiler
 from specdecode.runtime.engine.llm_engine import EngineStats, LLMEngine
 from specdecode.runtime.engine.sequence import RequestOutput, SamplingParams
 from specdecode.runtime.parallel.step_channel import TensorParallelBroken
@@ -145,6 +146,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.grammars
 
     def start(self) -> None:
         """Warm up (one real step, so the first request does not pay for it) and start stepping."""

@@ -7,6 +7,7 @@ field we know means "the default". Ranges follow the OpenAI API (and ``SamplingP
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -21,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.server.tools import NAME_PATTERN, ToolCallParser, template_arguments
 
@@ -72,6 +74,77 @@ class SpeculativeOptions(_Request):
     num_speculative_tokens: int = Field(ge=0, le=16)
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the schema is
+    always enforced (the output is decoded under its grammar)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type 'json_schema', and allowed only there")
+        return self
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "json_object" or (self.json_schema is not None and self.json_schema.json_schema is None):
+            return StructuredOutput(StructuredKind.JSON_OBJECT)
+        if self.type == "json_schema":
+            return StructuredOutput(StructuredKind.JSON, json.dumps(self.json_schema.json_schema))
+        return None
+
+
+class StructuredOutputsOptions(_Request):
+    """vLLM's ``structured_outputs``: exactly one of its forms."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # a schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None  # GBNF (llama.cpp) or lark (llguidance)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsOptions":
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self._value(name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})")
+        return self
+
+    def _value(self, name: str) -> Any:
+        return self.json_schema if name == "json" else getattr(self, name)
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_object:
+            return StructuredOutput(StructuredKind.JSON_OBJECT)
+        if self.json_schema is not None:
+            return json_constraint(self.json_schema)
+        if self.choice is not None:
+            return StructuredOutput(StructuredKind.CHOICE, json.dumps(self.choice))
+        if self.regex is not None:
+            return StructuredOutput(StructuredKind.REGEX, self.regex)
+        return StructuredOutput(StructuredKind.GRAMMAR, self.grammar)
+
+
+def json_constraint(schema: dict[str, Any] | str) -> StructuredOutput:
+    return StructuredOutput(StructuredKind.JSON, schema if isinstance(schema, str) else json.dumps(schema))
+
+
+class ConflictingConstraints(ValueError):
+    """A request constrains its output in more than one way."""
+
+    def __init__(self, fields: list[str]):
+        super().__init__(f"{' and '.join(fields)} both constrain the output; send only one")
+        self.fields = fields
+
+
 class _GenerationRequest(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -92,6 +165,13 @@ class _GenerationRequest(_Request):
     speculative: SpeculativeOptions | None = None
     user: str | None = None
     logit_bias: dict[int, float] = {}  # token id → bias added to its logit before sampling
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -127,6 +207,28 @@ class _GenerationRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
+    def structured_forms(self) -> dict[str, StructuredOutput]:
+        """Each field that constrains the output → its constraint."""
+        forms = {
+            "response_format": self.response_format.constraint() if self.response_format else None,
+            "structured_outputs": self.structured_outputs.constraint() if self.structured_outputs else None,
+            "guided_json": json_constraint(self.guided_json) if self.guided_json is not None else None,
+            "guided_regex": (StructuredOutput(StructuredKind.REGEX, self.guided_regex)
+                             if self.guided_regex is not None else None),
+            "guided_choice": (StructuredOutput(StructuredKind.CHOICE, json.dumps(self.guided_choice))
+                              if self.guided_choice is not None else None),
+            "guided_grammar": (StructuredOutput(StructuredKind.GRAMMAR, self.guided_grammar)
+                               if self.guided_grammar is not None else None),
+        }
+        return {name: c for name, c in forms.items() if c is not None}
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The request's constraint and the field it came from; ``ConflictingConstraints`` for two."""
+        forms = self.structured_forms()
+        if len(forms) > 1:
+            raise ConflictingConstraints(list(forms))
+        return next(((c, name) for name, c in forms.items()), None)
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -143,7 +245,7 @@ class _GenerationRequest(_Request):
     def num_prompt_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -160,6 +262,7 @@ class _GenerationRequest(_Request):
             logit_bias=tuple(self.logit_bias.items()),
             n=self.n,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None,
+            structured=structured,
         )
 
 
@@ -362,7 +465,6 @@ class ChatCompletionRequest(_GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "functions": (None, []),
         "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
         "modalities": (None, ["text"]),
         "audio": (None,),
         "prediction": (None,),

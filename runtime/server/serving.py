@@ -27,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdecode.runtime.engine.async_engine import EngineDead, EngineOverloaded
+from specdecode.runtime.engine.grammar import StructuredOutput
 from specdecode.runtime.engine.sequence import (
     CompletionDelta,
     FinishReason,
@@ -56,6 +57,7 @@ from specdecode.runtime.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
+    ConflictingConstraints,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -283,13 +285,34 @@ class OpenAIServing:
         return max(1, min(max_len, pool_tokens) - prompt_len)
 
     async def _engine_inputs(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        """Prompt ids (tokenized in a worker thread) and sampling parameters."""
+        """Prompt ids (tokenized in a worker thread), the output's constraint (compiled in a worker
+        thread) and sampling parameters."""
         prompt_ids = await asyncio.to_thread(self._prompt_ids, req)
         self._check_logit_bias(req)
+        structured = await self._structured_output(req)
         try:
-            return prompt_ids, req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+            return prompt_ids, req.sampling_params(self._max_tokens(req, len(prompt_ids)), structured)
         except ValueError as exc:  # SamplingParams re-checks ranges the protocol already enforces
             raise bad_request(str(exc)) from None
+
+    async def _structured_output(self, req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+        """The request's constraint, compiled (and kept by the engine) off the event loop; 400s name the field."""
+        try:
+            found = req.structured_output()
+        except ConflictingConstraints as exc:
+            raise bad_request(str(exc), exc.fields[0]) from None
+        if found is None:
+            return None
+        structured, field_name = found
+        for name in ("ignore_eos", "stop", "stop_token_ids"):
+            if getattr(req, name):
+                raise bad_request(f"{name} cannot be combined with {field_name}: the output ends where its "
+                                  "grammar is complete (finish_reason 'stop' means it is valid)", name)
+        try:
+            await asyncio.to_thread(self.engine.grammars.compile, structured)
+        except ValueError as exc:
+            raise bad_request(f"{field_name}: {exc}", field_name) from None
+        return structured
 
     def _check_logit_bias(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         vocab = self.engine.tokenizer.vocab_size
