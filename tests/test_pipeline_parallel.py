@@ -9,6 +9,8 @@
   start where the accepted tokens end (``--trace-steps``).
 - The verdict message stays within R·(K+1) tokens + 2R counts (+ R·K drafts).
 - Prompt logprobs are refused under PP, naming it.
+- Structured outputs: rank 0 sends each constrained row's grammar mask to the last stage, so greedy
+  output under a grammar equals TP = 1, PP = 1 for every proposer.
 - Overlap by recorded event order; MTP × PP warns once with the gate; a killed rank brings every
   rank down with a non-zero exit, rank 0's /health answering 503 first; a taken rendezvous port
   fails at once.
@@ -51,12 +53,14 @@ BUDGET = 24  # tokens per step: the longest prompt is prefilled in chunks
 TEXTS = ["a b a b a b a b", "Hello", "one two three one two three one two three one two three four five six seven"]
 MAX_TOKENS = [12, 7, 10]  # sequences finish at different steps while others run
 SAMPLED = dict(temperature=0.8, presence_penalty=0.5)  # with seed 100 + i: target_match gives exactly the no-spec tokens
+GRAMMAR = r"[a-z]{1,5}( [a-z]{1,5})*\."  # a regex the greedy "grammar" requests follow
 # Rank 0 in a subprocess: per speculative config, a group; in it, every prompt with speculation
 # capped to 0 (plain decoding) and with it on, overlap on and then off; prints JSON per config.
 DRIVER = textwrap.dedent("""
     import json, sys
     from specdecode.runtime.config import EngineConfig
     from specdecode.runtime.engine.async_engine import AsyncEngine
+    from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
     from specdecode.runtime.engine.sequence import SamplingParams
 
     def run(engine, prompts, max_tokens, overlap):
@@ -65,7 +69,8 @@ DRIVER = textwrap.dedent("""
         out, logprobs, finished, after_finish = {}, {}, set(), 0
         kinds = {"plain": dict(num_speculative_tokens=0),  # proposer "none"
                  "spec": dict(logprobs=2),  # speculating, with logprobs
-                 "sampled": dict(temperature=0.8, presence_penalty=0.5)}  # seeded: see SAMPLED
+                 "sampled": dict(temperature=0.8, presence_penalty=0.5),  # seeded: see SAMPLED
+                 "grammar": dict(ignore_eos=False, structured=StructuredOutput(StructuredKind.REGEX, GRAMMAR))}
         for name, extra in kinds.items():
             for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
                 params = SamplingParams(**{"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "seed": 100 + i,
@@ -91,6 +96,8 @@ DRIVER = textwrap.dedent("""
             return str(exc)
         return None
 
+    GRAMMAR = {grammar!r}
+
     if __name__ == "__main__":
         configs, prompts, max_tokens = (json.loads(a) for a in sys.argv[1:4])
         for raw in configs:
@@ -106,7 +113,7 @@ DRIVER = textwrap.dedent("""
             finally:
                 async_engine.shutdown()
             print("RESULT " + json.dumps(result), flush=True)
-""")
+""").replace("{grammar!r}", repr(GRAMMAR))
 
 
 def _specs(draft_dir: str, mtp_dir: str) -> list[dict]:
@@ -242,6 +249,24 @@ def test_seeded_sampling_with_target_match_equals_tp1_pp1_no_spec_exactly(layout
     for method in ("ngram", "suffix", "mtp"):
         for overlap, run in layouts[layout]["results"][method]["runs"].items():
             assert run["outputs"]["sampled"] == expected_sampled, (method, overlap)
+
+
+@pytest.fixture(scope="module")
+def expected_grammar(target, prompts, make_engine) -> list[list[int]]:
+    """TP = 1, PP = 1, no speculation, greedy under ``GRAMMAR``."""
+    from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
+
+    return _generate(make_engine(*target, budget=BUDGET), prompts, ignore_eos=False,
+                     structured=StructuredOutput(StructuredKind.REGEX, GRAMMAR))
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
+def test_greedy_output_under_a_grammar_equals_tp1_pp1(layout, layouts, expected, expected_grammar):
+    """The last stage verifies with the masks rank 0 computed from its grammar states (it has none)."""
+    assert all(want != free for want, free in zip(expected_grammar, expected))  # the grammar changes every output
+    for method, result in layouts[layout]["results"].items():
+        for overlap, run in result["runs"].items():
+            assert run["outputs"]["grammar"] == expected_grammar, (method, overlap)
 
 
 @pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])

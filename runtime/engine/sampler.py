@@ -70,22 +70,25 @@ def apply_grammar_masks(
     rows: list[SamplerRow],
 ) -> None:
     """Set every token a row's grammar forbids to −inf (bit ``t % 32`` of word ``t // 32`` = token ``t``)."""
-    index: list[int] = []
+    spans: list[tuple[int, int]] = []  # (first row in logits, rows) of each constrained sequence
     packed: list[torch.Tensor] = []
     start = 0
     for row in rows:
         if row.allowed is not None:
-            index += range(start, start + row.num_rows)
+            spans.append((start, row.num_rows))
             packed.append(row.allowed)
         start += row.num_rows
     if not packed:
         return
     dev = logits.device
-    words = torch.cat(packed).to(dev)  # [M, W]
-    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32, device=dev)) & 1  # [M, W, 32]
-    allowed = bits.view(len(index), -1)[:, : logits.shape[1]].bool()  # [M, V]
-    rows_index = torch.tensor(index, device=dev)
-    logits[rows_index] = logits.index_select(0, rows_index).masked_fill(~allowed, float("-inf"))
+    words = torch.cat(packed).to(dev)  # [M, W] int32
+    # little-endian words: byte t // 8 holds token t at bit t % 8
+    bits = words.view(torch.uint8)[:, :, None] >> torch.arange(8, dtype=torch.uint8, device=dev)  # [M, 4W, 8]
+    forbidden = (bits & 1).view(len(words), -1)[:, : logits.shape[1]] == 0  # [M, V]
+    at = 0
+    for start, num_rows in spans:
+        logits[start : start + num_rows].masked_fill_(forbidden[at : at + num_rows], float("-inf"))
+        at += num_rows
 
 
 def top_k_top_p_filter(

@@ -11,7 +11,9 @@ A step (``PipelineExecution.launch``):
    slots, attention groups — the same for every stage, so every stage writes the same slots);
 2. rank 0 sends the verifier a ``TailPlan`` on the link group: what it must know of the step's
    sequences to sample them (new sequences' prompts and sampling parameters once, then per item
-   its start, token count, drafts and block table; sequences gone or preempted since);
+   its start, token count, drafts, block table and — for a constrained sequence — its rows' grammar
+   masks, which only rank 0 can compute: the grammar states live with its sequences; sequences
+   gone or preempted since);
 3. stage s runs its layers on the hidden states stage s − 1 sent (rank (s, t) → (s+1, t)) and
    sends its own on; the first stage starts from the token ids;
 4. the verifier verifies and sends rank 0 one int32 tensor (``VerdictMessage``): per deciding
@@ -110,6 +112,7 @@ class ItemPlan:
     num_tokens: int
     draft_token_ids: list[int]
     block_table: list[int]
+    allowed: torch.Tensor | None = None  # [drafts + 1, ceil(V/32)] int32 grammar masks of a deciding item
 
 
 @dataclass
@@ -231,7 +234,7 @@ class PipelineExecution(Execution):
             self._gone.append(seq.seq_id)
 
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
-        plan = self._plan(scheduled)
+        plan = self._plan(scheduled, rows)
         deciding = [item for item in scheduled if item.samples]
         width = max((item.num_draft for item in deciding), default=0) + 1
         num_drafts = self.k if self.relayed is not None else 0
@@ -265,16 +268,17 @@ class PipelineExecution(Execution):
         dist.send(hidden.contiguous(), self.par.tensor_parallel_size)
         return hidden
 
-    def _plan(self, scheduled: list[ScheduledSeq]) -> TailPlan:
+    def _plan(self, scheduled: list[ScheduledSeq], rows: list[SamplerRow]) -> TailPlan:
         plan = TailPlan(gone=self._gone, preempted=self._preempted)
         self._gone, self._preempted = [], []
+        masks = iter(row.allowed for row in rows)  # rows: the deciding items', in order
         for item in scheduled:
             seq = item.seq
             if seq.seq_id not in self._known:
                 self._known.add(seq.seq_id)
                 plan.new.append(SeqIntro(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed))
             plan.items.append(ItemPlan(seq.seq_id, item.start, item.num_tokens, list(item.draft_token_ids),
-                                       list(seq.block_table)))
+                                       list(seq.block_table), next(masks) if item.samples else None))
         return plan
 
     def _receive_logprobs(self) -> list:
@@ -361,13 +365,14 @@ class PipelineTail:
     def verify(self, plan: TailPlan, hidden: torch.Tensor) -> None:
         scheduled = self._mirror(plan)
         deciding = [item for item in scheduled if item.samples]
+        masks = [it.allowed for it, item in zip(plan.items, scheduled) if item.samples]
         sample_rows, first = [], 0
         for item in scheduled:
             first += item.num_tokens
             if item.samples:
                 sample_rows += range(first - item.num_draft - 1, first)
         rows = [SamplerRow(s.seq.params, s.seq.seed, len(s.seq), s.seq.output_token_ids, s.draft_token_ids,
-                           s.draft_probs) for s in deciding]
+                           s.draft_probs, allowed) for s, allowed in zip(deciding, masks)]
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)])
         verdicts = self.verifier(logits, rows) if rows else []
         for item in scheduled:
