@@ -203,18 +203,26 @@ def test_operator_modules_import_from_what_the_operator_image_installs():
     allowed = sorted(importable | {"specdecode"})
     modules = sorted(f"specdecode.operator.{p.stem}" for p in (REPO / "operator").glob("*.py") if p.stem != "__init__")
     script = textwrap.dedent(f"""
-        import importlib, importlib.machinery, sys, sysconfig
+        import importlib, importlib.abc, importlib.machinery, importlib.util, sys, sysconfig
         ALLOWED = set({allowed!r})
         SITE_PACKAGES = tuple({{sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}})
 
-        class NotInTheImage:
+        # Importing a distribution the image lacks fails; probing for one with find_spec (as
+        # python-json-logger probes for orjson) finds it, so a probe never breaks an import.
+        class NotInTheImage(importlib.abc.Loader):
             def find_spec(self, name, path=None, target=None):
                 if "." in name or name in ALLOWED:
                     return None
                 spec = importlib.machinery.PathFinder.find_spec(name, path)
                 if spec is not None and (spec.origin or "").startswith(SITE_PACKAGES):
-                    raise ModuleNotFoundError(f"{{name}} is not installed in the operator image", name=name)
+                    return importlib.util.spec_from_loader(name, self)
                 return None  # the standard library
+
+            def create_module(self, spec):
+                raise ModuleNotFoundError(f"{{spec.name}} is not installed in the operator image", name=spec.name)
+
+            def exec_module(self, module):
+                pass
 
         sys.meta_path.insert(0, NotInTheImage())
         for module in {modules!r}:
