@@ -24,7 +24,7 @@ from pydantic import (
 
 from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
 from specdecode.runtime.engine.sequence import SamplingParams
-from specdecode.runtime.server.tools import NAME_PATTERN, ToolCallParser, template_arguments
+from specdecode.runtime.server.tools import NAME_PATTERN, ToolCallParser, template_arguments, tool_choice_lark
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -511,6 +511,17 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt shows: none under ``tool_choice: "none"``."""
         return [t.for_template() for t in self.tools] if self.tool_mode != "none" else None
+
+    def structured_forms(self) -> dict[str, StructuredOutput]:
+        """A forced tool choice constrains the output too: to calls of the tools it allows."""
+        forms = super().structured_forms()
+        if self.tool_mode in ("required", "named"):
+            allowed = [t.function for t in self.tools
+                       if self.tool_mode == "required" or t.function.name == self.tool_choice.function.name]
+            tools = [{"name": f.name, "parameters": f.parameters} for f in allowed]
+            one_call = self.tool_mode == "named" or not self.parallel_tool_calls
+            forms["tool_choice"] = StructuredOutput(StructuredKind.LARK, tool_choice_lark(tools, one_call))
+        return forms
 
     def tool_call_parser(self) -> ToolCallParser | None:
         """A parser for one choice's text; None when no calls are read (no tools, or ``none``)."""
