@@ -82,9 +82,11 @@ def apply_grammar_masks(
         return
     dev = logits.device
     words = torch.cat(packed).to(dev)  # [M, W] int32
-    # little-endian words: byte t // 8 holds token t at bit t % 8
-    bits = words.view(torch.uint8)[:, :, None] >> torch.arange(8, dtype=torch.uint8, device=dev)  # [M, 4W, 8]
-    forbidden = (bits & 1).view(len(words), -1)[:, : logits.shape[1]] == 0  # [M, V]
+    # little-endian words: byte t // 8 holds token t at bit t % 8; one table lookup per byte
+    byte_bits = torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)  # [256, 8]
+    forbidden_bits = (byte_bits & 1) == 0  # [256, 8] bool
+    forbidden = forbidden_bits.index_select(0, words.view(torch.uint8).view(-1).int())  # [M·4W, 8]
+    forbidden = forbidden.view(len(words), -1)[:, : logits.shape[1]]  # [M, V]
     at = 0
     for start, num_rows in spans:
         logits[start : start + num_rows].masked_fill_(forbidden[at : at + num_rows], float("-inf"))
