@@ -8,9 +8,9 @@ import json
 import pytest
 from llguidance import LLMatcher
 
-from specdecode.runtime.engine.grammar import llguidance_tokenizer
+from specdecode.runtime.engine.grammar import StructuredKind, llguidance_tokenizer
 from specdecode.runtime.server.errors import APIError, validate_body
-from specdecode.runtime.server.protocol import ChatCompletionRequest
+from specdecode.runtime.server.protocol import ChatCompletionRequest, ConflictingConstraints
 from specdecode.runtime.server.tools import (
     DEFAULT_TOOL_PROMPT,
     ParsedMessage,
@@ -227,3 +227,18 @@ def test_tool_choice_defaults_and_a_tool_loop_request():
     assert req.tool_mode == "auto" and req.template_messages()[1:] == LOOP[1:3]
     none = validate_body(ChatCompletionRequest, {"messages": CHAT, "tools": [TOOL], "tool_choice": "none"})
     assert none.template_tools() is None and none.tool_call_parser() is None
+
+
+def test_forced_choices_constrain_the_output_and_conflict_with_response_format():
+    time_tool = {"type": "function", "function": {"name": "get_time"}}
+    named = validate_body(ChatCompletionRequest, {"messages": CHAT, "tools": [TOOL, time_tool],
+                                                  "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    constraint, field_name = named.structured_output()
+    assert field_name == "tool_choice" and constraint.kind is StructuredKind.LARK
+    assert "get_time" in constraint.text and "get_weather" not in constraint.text
+    assert validate_body(ChatCompletionRequest, {"messages": CHAT, "tools": [TOOL]}).structured_output() is None
+    both = validate_body(ChatCompletionRequest, {"messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+                                                 "response_format": {"type": "json_object"}})
+    with pytest.raises(ConflictingConstraints) as refused:
+        both.structured_output()
+    assert refused.value.fields == ["response_format", "tool_choice"]
