@@ -205,3 +205,19 @@ def test_the_verifier_never_accepts_a_forbidden_draft(sharp, strategy, temperatu
         (verdict,) = verifier(logits.clone(), [row])
         assert verdict.num_accepted == 0
         assert verdict.token_ids[0] in allowed
+
+
+def test_preempted_constrained_sequences_keep_their_grammar_state(sharp, make_engine, prompt, no_spec):
+    """A KV pool too small for the batch preempts constrained sequences mid-output, after drafts
+    were verified for them; recomputed, their grammar states still match their tokens (they advance
+    on emitted tokens only): the outputs equal the unpreempted ones."""
+    model, tok = sharp
+    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3, "verify": "target_match"},
+                         budget=24, num_blocks=16, block_size=8)
+    preempted = []  # (constrained, output tokens, drafts scored) of each preempted sequence
+    forget = engine.proposer.preempted
+    engine.proposer.preempted = lambda seq: (preempted.append((seq.grammar is not None, seq.num_output_tokens,
+                                                               seq.spec.num_draft_tokens)), forget(seq))
+    tokens, _, _ = run(engine, prompt, REQUESTS[::-1])  # the latest admitted are preempted first: constrained ones
+    assert tokens == no_spec[::-1]
+    assert any(constrained and out > 0 and drafts > 0 for constrained, out, drafts in preempted), preempted
