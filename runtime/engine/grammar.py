@@ -8,8 +8,8 @@ the sequence emits and nothing else.
 
 Masks: for a sequence with drafts ``d_0 … d_{K-1}``, verified row ``j`` may only pick a token the
 grammar allows after ``d_0 … d_{j-1}``. ``fill_masks`` writes every row's packed bitmask (bit
-``t % 32`` of word ``t // 32`` = token ``t`` allowed) in one llguidance call that advances each
-matcher through its drafts and rolls it back. Rows after the first draft the grammar refuses keep
+``t % 32`` of word ``t // 32`` = token ``t`` allowed) through llguidance's batched calls, which
+advance each matcher through its drafts and roll it back. Rows after the first draft the grammar refuses keep
 an all-allowed mask: verification stops at that draft (it is never accepted: its probability is
 zero), so they are never read. EOS is allowed exactly where the grammar accepts; once the grammar
 is complete (the matcher *stopped*) the sequence finishes with ``stop``.
@@ -122,7 +122,7 @@ class GrammarCompiler:
         self,
         grammars: list[tuple[Grammar, int, list[int]]],  # (state, first row, that sequence's drafts)
         num_rows: int,
-    ) -> torch.Tensor:  # [num_rows, ceil(V/32)] int32 packed bitmask; rows of unconstrained sequences all allowed
+    ) -> torch.Tensor:  # [num_rows, ceil(V/32)] int32 packed bitmask; rows no grammar reaches stay all allowed
         masks = torch.full((num_rows, self.num_words), ALL_ALLOWED, dtype=torch.int32)
         plain = [(g.matcher, row) for g, row, drafts in grammars if not drafts]
         drafted = [(g.matcher, row, drafts) for g, row, drafts in grammars if drafts]
