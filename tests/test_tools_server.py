@@ -13,7 +13,7 @@ import pytest
 from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
-from server_harness import serving
+from server_harness import post, serving
 
 from specdecode.runtime.engine.async_engine import AsyncEngine
 
@@ -84,7 +84,7 @@ def test_required_tool_choice_gives_valid_calls(client):
     assert len(valid_calls(answer.choices[0].message)) == 1
 
 
-def test_a_tool_loop_is_accepted_and_answered(client):
+def test_a_tool_loop_is_accepted_and_answered(client, url):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     loop = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -92,6 +92,9 @@ def test_a_tool_loop_is_accepted_and_answered(client):
     answer = client.chat.completions.create(model="smollm2", messages=loop, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_tokens=8)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    shown = post(url, "/tokenize", {"messages": loop, "tools": TOOLS, "return_token_strs": True}).json()
+    text = "".join(shown["token_strs"]).replace("Ġ", " ").replace("Ċ", "\n")
+    assert '"name": "get_weather"' in text and "<tool_response>" in text and "<tools>" in text
 
 
 # -------------------------------------------------------------------------------- langchain
