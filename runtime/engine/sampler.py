@@ -9,6 +9,7 @@ row ``j`` predicts the token after ``drafts[:j]``, so its penalties count those 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +34,16 @@ class SamplerRow:
         return len(self.draft_token_ids) + 1
 
 
+def row_starts(rows: list[SamplerRow]) -> list[int]:
+    """Where each sequence's rows begin in the step's logits, then their total (len(rows) + 1 values)."""
+    return list(itertools.accumulate((row.num_rows for row in rows), initial=0))
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [R, V] fp32 (R = Σ num_rows), modified in place
     rows: list[SamplerRow],
 ) -> None:
-    start = 0
-    for row in rows:
+    for row, start in zip(rows, row_starts(rows)):
         p = row.params
         if p.has_penalties:
             history = row.output_token_ids + row.draft_token_ids
@@ -49,7 +54,6 @@ def apply_penalties(
                     counts = torch.bincount(torch.tensor(seen, device=logits.device), minlength=logits.shape[1])
                     counts = counts.to(logits.dtype)
                     logits[start + j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-        start += row.num_rows
 
 
 def apply_logit_bias(
@@ -57,12 +61,10 @@ def apply_logit_bias(
     rows: list[SamplerRow],
 ) -> None:
     """Add each request's ``logit_bias`` to every row it scores (drafts' rows included)."""
-    start = 0
-    for row in rows:
+    for row, start in zip(rows, row_starts(rows)):
         if row.params.logit_bias:
             ids, bias = zip(*row.params.logit_bias)
             logits[start : start + row.num_rows, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
-        start += row.num_rows
 
 
 def apply_grammar_masks(
@@ -70,27 +72,20 @@ def apply_grammar_masks(
     rows: list[SamplerRow],
 ) -> None:
     """Set every token a row's grammar forbids to −inf (bit ``t % 32`` of word ``t // 32`` = token ``t``)."""
-    spans: list[tuple[int, int]] = []  # (first row in logits, rows) of each constrained sequence
-    packed: list[torch.Tensor] = []
-    start = 0
-    for row in rows:
-        if row.allowed is not None:
-            spans.append((start, row.num_rows))
-            packed.append(row.allowed)
-        start += row.num_rows
-    if not packed:
+    constrained = [(row, start) for row, start in zip(rows, row_starts(rows)) if row.allowed is not None]
+    if not constrained:
         return
     dev = logits.device
-    words = torch.cat(packed).to(dev)  # [M, W] int32
+    words = torch.cat([row.allowed for row, _ in constrained]).to(dev)  # [M, W] int32
     # little-endian words: byte t // 8 holds token t at bit t % 8; one table lookup per byte
     byte_bits = torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)  # [256, 8]
     forbidden_bits = (byte_bits & 1) == 0  # [256, 8] bool
     forbidden = forbidden_bits.index_select(0, words.view(torch.uint8).view(-1).int())  # [M·4W, 8]
     forbidden = forbidden.view(len(words), -1)[:, : logits.shape[1]]  # [M, V]
     at = 0
-    for start, num_rows in spans:
-        logits[start : start + num_rows].masked_fill_(forbidden[at : at + num_rows], float("-inf"))
-        at += num_rows
+    for row, start in constrained:
+        logits[start : start + row.num_rows].masked_fill_(forbidden[at : at + row.num_rows], float("-inf"))
+        at += row.num_rows
 
 
 def top_k_top_p_filter(

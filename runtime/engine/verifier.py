@@ -33,6 +33,7 @@ from specdecode.runtime.engine.sampler import (
     apply_logit_bias,
     apply_penalties,
     gather_logprobs,
+    row_starts,
     sampling_probs,
 )
 from specdecode.runtime.engine.sequence import TokenLogprob
@@ -60,9 +61,7 @@ class Verifier:
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
         apply_grammar_masks(logits, rows)
-        starts = [0]
-        for r in rows:
-            starts.append(starts[-1] + r.num_rows)
+        starts = row_starts(rows)
         width = max(r.num_rows for r in rows)  # K + 1
         out: list[list[int]] = [[] for _ in rows]
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
