@@ -69,6 +69,14 @@ def serving(engine: AsyncEngine) -> Iterator[str]:
         yield url
 
 
+@contextmanager
+def serving_with_ngram(make_engine, model, tokenizer) -> Iterator[str]:
+    """``model`` served as "tiny" with n-gram speculation (3 tokens) on; ``make_engine`` is conftest's fixture."""
+    engine = make_engine(model, tokenizer, spec={"method": "ngram", "num_speculative_tokens": 3})
+    with serving(AsyncEngine(engine, "tiny", 8)) as url:
+        yield url
+
+
 def tiny_engine(model_dir, **scheduler) -> AsyncEngine:
     cfg = EngineConfig(
         load=LoadConfig(model=str(model_dir), weight_cache_dir=None),

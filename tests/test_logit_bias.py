@@ -127,13 +127,9 @@ def test_ngram_speculation_keeps_the_biased_distribution_of_the_first_three_outp
 
 @pytest.fixture(scope="module")
 def url(sharp, make_engine):
-    from server_harness import serving
+    from server_harness import serving_with_ngram
 
-    from specdecode.runtime.engine.async_engine import AsyncEngine
-
-    model, tok = sharp
-    with serving(AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}),
-                             "tiny", 8)) as url:
+    with serving_with_ngram(make_engine, *sharp) as url:
         yield url
 
 

@@ -109,13 +109,9 @@ def test_prompt_logprobs_survive_preemption(tiny, make_engine, full_forward):
 @pytest.fixture(scope="module")
 def spec_url(tiny, make_engine):
     """The tiny model served with n-gram speculation on."""
-    from server_harness import serving
+    from server_harness import serving_with_ngram
 
-    from specdecode.runtime.engine.async_engine import AsyncEngine
-
-    model, tok = tiny
-    with serving(AsyncEngine(make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3}),
-                             "tiny", 8)) as url:
+    with serving_with_ngram(make_engine, *tiny) as url:
         yield url
 
 
