@@ -9,8 +9,9 @@ pipeline stages).
 
 *Overlap scheduling* (``SchedulerConfig.overlap``): while step N runs, the engine schedules step
 N+1's prompt chunks and admissions and builds their inputs (``Scheduler.schedule_ahead``),
-keeping ``next_real_bsz * token_num_one_step`` tokens of the budget — K+1 per sequence deciding
-in step N — for the decode rows. When step N's verdicts arrive they are applied first; then the
+keeping FastDeploy's ``next_real_bsz * token_num_one_step`` tokens of the budget for the decode
+rows — per sequence deciding in step N, one token plus the drafts it may get (its own cap: load
+control's K and the request's). When step N's verdicts arrive they are applied first; then the
 decode rows of the sequences still running are scheduled (drafts proposed from the accepted
 tokens) and built, so lengths and positions come from the verdicts, never from a guess. A
 sequence that finished in step N gets no row in N+1 (its reservation is discarded), and nothing
@@ -151,7 +152,6 @@ class LLMEngine:
         self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
         self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
-        self.token_num_one_step = 1 + (spec.num_speculative_tokens if self.proposer is not None else 0)
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases
         self._step_number = 0
         self._next: _Plan | None = None  # step N+1, prepared while step N ran
@@ -261,14 +261,21 @@ class LLMEngine:
         kept = [item for item in plan.scheduled if item.seq.status is SequenceStatus.RUNNING]
         if len(kept) == len(plan.scheduled):
             return plan
+        self._event("rebuilt: a sequence stopped running", self._step_number + 1)
         return self._build(kept) if kept else None
 
     def _plan_ahead(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None]:
         """Step N+1's prompt chunks and admissions, built while step N runs (see the module docstring)."""
-        ahead = self.scheduler.schedule_ahead(len(plan.deciding) * self.token_num_one_step)
+        ahead = self.scheduler.schedule_ahead(self._decode_reservation(plan.deciding))
         inputs = self.runner.prepare(ahead) if ahead else None
         self._event("inputs built ahead", self._step_number + 1)
         return ahead, inputs
+
+    def _decode_reservation(self, deciding: list[ScheduledSeq]) -> int:
+        """The budget step N+1's decode rows may take: one token per sequence deciding in step N plus
+        the drafts it may get then (its cap now: it only shrinks as its verdict's tokens are appended)."""
+        k = self.load_control.max_k(len(self.scheduler.running)) if self.proposer is not None else 0
+        return sum(1 + draft_cap(item.seq, k, self.max_model_len) for item in deciding)
 
     def _complete(self, plan: _Plan, ahead: list[ScheduledSeq], ahead_inputs: PreparedStep | None) -> _Plan | None:
         """Step N+1 once step N's verdicts are in: the decode rows of its deciding sequences that
@@ -281,12 +288,17 @@ class LLMEngine:
                 decoding.append(item.seq)
         budget = self.scheduler.cfg.max_num_batched_tokens - sum(item.num_tokens for item in ahead)
         decode = self.scheduler.schedule_running(decoding, budget, self._draft_caps(), self._propose)
+        if self.scheduler.preempted:
+            self._event("preempted by a look-ahead decode row", self._step_number + 1)
         self._forget_preempted()
         kept = [item for item in ahead if item.seq in self.scheduler.running]
         scheduled = decode + kept
         if not scheduled:
             return None
-        if len(kept) < len(ahead) or ahead_inputs is None:  # a decode row preempted a sequence built ahead
+        if len(kept) < len(ahead):
+            self._event("rebuilt: a decode row preempted a sequence built ahead", self._step_number + 1)
+            return self._build(scheduled)
+        if ahead_inputs is None:
             return self._build(scheduled)
         return self._build(scheduled, self.runner.prepare(decode).then(ahead_inputs) if decode else ahead_inputs)
 

@@ -202,6 +202,11 @@ class LoadController:
         self.decided = (decoding, k)
         return Budget(k, min(decoding, max(EXPLORE_MIN, -(-decoding // EXPLORE_SHARE))) if explore else 0)
 
+    def max_k(self, running: int) -> int:
+        """The most drafts per sequence ``budget`` could give a step of ``running`` sequences next
+        (goodput may pick fewer); changes nothing."""
+        return 0 if self.off_steps_left > 0 else self._table_k(running)
+
     def _table_k(self, batch_size: int) -> int:
         for rule in self.cfg.batch_size_table:
             if batch_size <= rule.max_batch_size:

@@ -57,6 +57,7 @@ class ModelRunner:
     ):
         c = model.config
         self.model = model
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.dtype = dtype

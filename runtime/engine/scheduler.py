@@ -127,10 +127,14 @@ class Scheduler:
     ) -> list[ScheduledSeq]:
         """``seqs`` (running) within ``budget`` tokens, drafts reserved up to their caps and filled
         by ``propose``; under KV pressure drafts shrink, then the most recently admitted running
-        sequences are preempted (``preempted`` lists them)."""
+        sequences are preempted (``preempted`` lists them). ``seqs`` are taken in admission order
+        (``running``'s), whatever order they come in: a sequence then only ever preempts sequences
+        admitted after it, which the loop has not reached, so none it already scheduled loses its
+        blocks (the overlap look-ahead hands its decode rows in the previous step's order)."""
         caps = draft_caps or {}
+        wanted = {seq.seq_id for seq in seqs}
         scheduled: list[ScheduledSeq] = []
-        for seq in seqs:
+        for seq in [seq for seq in self.running if seq.seq_id in wanted]:
             if seq not in self.running:  # preempted by an earlier sequence of this loop
                 continue
             num = min(len(seq) - seq.num_computed_tokens, budget)

@@ -21,6 +21,7 @@ from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.parallel.group import bind_device, host_store, join_group
 from specdecode.runtime.parallel.step_channel import StepChannel
 from specdecode.runtime.parallel.pipeline import PipelineExecution, RelayedDrafts, proposes_on_verifier
+from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
 from specdecode.runtime.parallel.workers import LocalWorkers, rank_stage
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
             engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
                                leader.channel)
         else:
-            engine = _pipeline_engine(cfg, loaded, leader.channel, groups.link)
+            engine = pipeline_engine(cfg, loaded, GlooTransport(groups.link, par.verifier_rank, leader.channel))
     except BaseException:
         leader.shutdown()
         raise
@@ -76,7 +77,9 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
     return engine, loaded.name, leader
 
 
-def _pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, channel: StepChannel, link) -> LLMEngine:
+def pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, transport: PipelineTransport) -> LLMEngine:
+    """Rank 0's engine over pipeline stages reached through ``transport``: its steps go through
+    ``PipelineExecution``; a draft model or MTP heads on the verifier relay their drafts."""
     spec = cfg.speculative
     if spec.method is SpeculativeMethod.MTP:
         log.warning(MTP_PIPELINE_WARNING)
@@ -85,7 +88,7 @@ def _pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, channel: StepChanne
     def execution(runner: ModelRunner) -> PipelineExecution:
         k = spec.num_speculative_tokens if spec.enabled else 0
         slots_ahead = k if spec.method is SpeculativeMethod.MTP else 0  # the heads write K/V as they draft
-        return PipelineExecution(runner, channel, cfg.parallel, link, k, relayed, slots_ahead)
+        return PipelineExecution(runner, transport, cfg.parallel, k, relayed, slots_ahead)
 
     return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
                      proposer=relayed, execution=execution)

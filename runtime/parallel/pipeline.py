@@ -22,6 +22,9 @@ A step (``PipelineExecution.launch``):
    the next step's drafts ``[R, K]`` (−1 padded). Logprobs follow on the link group only when a
    request asked for them.
 
+Every message goes through a ``PipelineTransport`` (``transport.py``): gloo between processes, or
+between stages in one process under the tests' engine fuzzer; nothing here knows which.
+
 Rank 0 advances every sequence's computed-token count only from that message (``LLMEngine._accept``),
 and the positions and slots of the next step are derived from it, then broadcast: no stage keeps
 a count of its own, so none can drift after a rejection. The verifier keeps a mirror of each
@@ -36,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeMethod
 from specdecode.runtime.engine.execution import Execution, Pending, StepResult
@@ -48,7 +50,8 @@ from specdecode.runtime.engine.sequence import SamplingParams, Sequence, Sequenc
 from specdecode.runtime.engine.verifier import Verdict, Verifier
 from specdecode.runtime.models.attention import AttentionBatch
 from specdecode.runtime.models.decoder import DecoderLM
-from specdecode.runtime.parallel.step_channel import StepChannel, TensorParallelBroken
+from specdecode.runtime.parallel.step_channel import TensorParallelBroken
+from specdecode.runtime.parallel.transport import PipelineTransport
 from specdecode.runtime.proposers import Proposal, Proposer, build_proposer
 
 PAD = -1
@@ -208,13 +211,12 @@ class PipelineExecution(Execution):
     """Rank 0's side of a pipeline: launch = inputs to every stage, the plan to the verifier, this
     stage's forward, the hidden states on; the pending result = the verifier's message."""
 
-    def __init__(self, runner: ModelRunner, channel: StepChannel, par: ParallelConfig, link: dist.ProcessGroup,
+    def __init__(self, runner: ModelRunner, transport: PipelineTransport, par: ParallelConfig,
                  num_speculative_tokens: int, relayed: RelayedDrafts | None, draft_slots_ahead: int = 0):
         self.runner = runner
         self.draft_slots_ahead = draft_slots_ahead
-        self.channel = channel
+        self.transport = transport
         self.par = par
-        self.link = link
         self.k = num_speculative_tokens
         self.relayed = relayed
         self.stats = PipelineStats()
@@ -222,15 +224,19 @@ class PipelineExecution(Execution):
         self.trace.holds(runner)
         self._known: set[int] = set()  # sequences the verifier has been introduced to
         self._gone: list[int] = []
-        self._preempted: list[int] = []
+        self._preempted: dict[int, None] = {}  # ordered set: preempted since the last launch, still known
 
     def preempted(self, seq: Sequence) -> None:
         if seq.seq_id in self._known:
-            self._preempted.append(seq.seq_id)
+            self._preempted[seq.seq_id] = None
 
     def finished(self, seq: Sequence) -> None:
+        """A sequence gone since the last launch is only gone: the verifier drops its mirror, so it
+        must not also hear that it was preempted (preempted, then finished or aborted before the next
+        launch)."""
         if seq.seq_id in self._known:
             self._known.discard(seq.seq_id)
+            self._preempted.pop(seq.seq_id, None)
             self._gone.append(seq.seq_id)
 
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
@@ -240,18 +246,17 @@ class PipelineExecution(Execution):
         num_drafts = self.k if self.relayed is not None else 0
         wants_logprobs = any(row.params.logprobs is not None for row in rows)
         started = time.perf_counter()
-        self.channel.run_step(step.input_ids, step.batch, lambda ids, batch: self._first_stage(plan, ids, batch))
+        self.transport.run_step(step.input_ids, step.batch, lambda ids, batch: self._first_stage(plan, ids, batch))
         handed_on = time.perf_counter()
         self.stats.first_stage_s += handed_on - started
 
         def verdicts() -> StepResult:
             numel = VerdictMessage.numel(len(deciding), width, num_drafts)
             try:
-                flat = torch.empty(numel, dtype=torch.int32, device=self.runner.device)
-                dist.recv(flat, self.par.verifier_rank)
-                logprobs = self._receive_logprobs() if wants_logprobs else None
+                flat = self.transport.receive_verdict(numel, self.runner.device)
+                logprobs = self.transport.receive_logprobs() if wants_logprobs else None
             except Exception as exc:
-                self.channel.broken = True
+                self.transport.broken = True
                 raise TensorParallelBroken(f"pipeline step failed waiting for the last stage: {exc}") from exc
             message = VerdictMessage.decode(flat, len(deciding), width, num_drafts)
             self._count(numel, len(deciding), handed_on)
@@ -263,14 +268,14 @@ class PipelineExecution(Execution):
         return verdicts
 
     def _first_stage(self, plan: TailPlan, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        dist.broadcast_object_list([plan], src=0, group=self.link)
+        self.transport.send_plan(plan)
         hidden = self.runner.forward(input_ids, batch)
-        dist.send(hidden.contiguous(), self.par.tensor_parallel_size)
+        self.transport.send_hidden(hidden, self.par.tensor_parallel_size)
         return hidden
 
     def _plan(self, scheduled: list[ScheduledSeq], rows: list[SamplerRow]) -> TailPlan:
-        plan = TailPlan(gone=self._gone, preempted=self._preempted)
-        self._gone, self._preempted = [], []
+        plan = TailPlan(gone=self._gone, preempted=list(self._preempted))
+        self._gone, self._preempted = [], {}
         masks = iter(row.allowed for row in rows)  # rows: the deciding items', in order
         for item in scheduled:
             seq = item.seq
@@ -280,11 +285,6 @@ class PipelineExecution(Execution):
             plan.items.append(ItemPlan(seq.seq_id, item.start, item.num_tokens, list(item.draft_token_ids),
                                        list(seq.block_table), next(masks) if item.samples else None))
         return plan
-
-    def _receive_logprobs(self) -> list:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=self.par.verifier_rank, group=self.link)
-        return box[0]
 
     def _verdicts(self, deciding: list[ScheduledSeq], message: VerdictMessage, logprobs: list | None) -> list[Verdict]:
         out = []
@@ -310,8 +310,10 @@ class StageWorker:
     """A rank of any stage but rank 0: runs its layers on what the previous stage sent, sends the
     result on; on the verifier rank, ``tail`` verifies."""
 
-    def __init__(self, runner: ModelRunner, par: ParallelConfig, rank: int, tail: PipelineTail | None):
+    def __init__(self, runner: ModelRunner, par: ParallelConfig, rank: int, tail: PipelineTail | None,
+                 transport: PipelineTransport):
         self.runner = runner
+        self.transport = transport
         self.stage = runner.model.stage
         self.rank = rank
         self.tp = par.tensor_parallel_size
@@ -325,12 +327,12 @@ class StageWorker:
         if self.stage.is_first:
             inputs = input_ids
         else:
-            inputs = torch.empty(input_ids.numel(), self.runner.model.config.hidden_size, dtype=self.runner.dtype,
-                                 device=self.runner.device)
-            dist.recv(inputs, self.rank - self.tp)
+            inputs = self.transport.receive_hidden(
+                torch.empty(input_ids.numel(), self.runner.model.config.hidden_size, dtype=self.runner.dtype,
+                            device=self.runner.device), self.rank - self.tp)
         hidden = self.runner.forward(inputs, batch)
         if not self.stage.is_last:
-            dist.send(hidden.contiguous(), self.rank + self.tp)
+            self.transport.send_hidden(hidden, self.rank + self.tp)
         elif self.tail is not None:
             self.tail.verify(plan, hidden)
         self.trace.ran(batch)
@@ -339,11 +341,11 @@ class StageWorker:
 class PipelineTail:
     """The verifier rank's sampling, verification and proposer, over mirrors of rank 0's sequences."""
 
-    def __init__(self, model: DecoderLM, tokenizer, cfg: EngineConfig, link: dist.ProcessGroup, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, num_blocks: int):
+    def __init__(self, model: DecoderLM, tokenizer, cfg: EngineConfig, transport: PipelineTransport,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, num_blocks: int):
         spec = cfg.speculative
         self.model = model
-        self.link = link
+        self.transport = transport
         self.device = device
         self.max_model_len = max_model_len
         self.k = spec.num_speculative_tokens
@@ -358,9 +360,7 @@ class PipelineTail:
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → the distributions its relayed drafts came from
 
     def receive_plan(self) -> TailPlan:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=self.link)
-        return box[0]
+        return self.transport.receive_plan()
 
     def verify(self, plan: TailPlan, hidden: torch.Tensor) -> None:
         scheduled = self._mirror(plan)
@@ -383,9 +383,9 @@ class PipelineTail:
         drafts = self._next_drafts(scheduled, hidden, [item.seq for item in deciding])
         message = VerdictMessage([v.token_ids for v in verdicts], [v.num_accepted for v in verdicts], drafts)
         width = max((item.num_draft for item in deciding), default=0) + 1
-        dist.send(message.encode(width, self.k if self.proposer is not None else 0, self.device), 0)
+        self.transport.send_verdict(message.encode(width, self.k if self.proposer is not None else 0, self.device))
         if any(row.params.logprobs is not None for row in rows):
-            dist.broadcast_object_list([[v.logprobs for v in verdicts]], src=dist.get_rank(), group=self.link)
+            self.transport.send_logprobs([v.logprobs for v in verdicts])
 
     def _mirror(self, plan: TailPlan) -> list[ScheduledSeq]:
         """Apply rank 0's plan to the mirrors; the step's items as ``ScheduledSeq`` over them."""

@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from specdecode.runtime.config import EngineConfig, SpeculativeMethod
 from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
-from specdecode.runtime.models.loader import load_model
+from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 from specdecode.runtime.parallel.group import bind_device, connect_store, join_group
 from specdecode.runtime.parallel.pipeline import PipelineTail, StageWorker
 from specdecode.runtime.parallel.step_channel import StepChannel
+from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,7 @@ def worker_main(spec: WorkerSpec, joined: Connection) -> None:
     channel = StepChannel(groups.control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
     run = runner.forward
     if par.pipeline_parallel_size > 1:
-        tail = None
-        if spec.rank == par.verifier_rank:
-            max_model_len = min(cfg.scheduler.max_model_len or loaded.max_model_len,
-                                loaded.config.max_position_embeddings)
-            tail = PipelineTail(loaded.model, loaded.tokenizer, cfg, groups.link, loaded.device, loaded.dtype,
-                                max_model_len, num_blocks)
-        run = StageWorker(runner, par, spec.rank, tail).run
+        run = stage_worker(cfg, spec.rank, loaded, runner, GlooTransport(groups.link, par.verifier_rank)).run
     joined.send(spec.rank)
     log.info("joined the group (%d ranks: %d stages × %d); layers %s; %d KV blocks", par.world_size,
              par.pipeline_parallel_size, par.tensor_parallel_size, list(stage.layers(loaded.config.num_layers)),
@@ -77,6 +72,19 @@ def worker_main(spec: WorkerSpec, joined: Connection) -> None:
             run(*step)
     dist.destroy_process_group()
     log.info("stopped")
+
+
+def stage_worker(cfg: EngineConfig, rank: int, loaded: LoadedModel, runner: ModelRunner,
+                 transport: PipelineTransport) -> StageWorker:
+    """Global ``rank``'s part of every pipeline step (any rank but 0): its stage's layers over
+    ``runner``, and on the verifier rank the ``PipelineTail``."""
+    par = cfg.parallel
+    tail = None
+    if rank == par.verifier_rank:
+        max_model_len = min(cfg.scheduler.max_model_len or loaded.max_model_len, loaded.config.max_position_embeddings)
+        tail = PipelineTail(loaded.model, loaded.tokenizer, cfg, transport, loaded.device, loaded.dtype,
+                            max_model_len, runner.num_blocks)
+    return StageWorker(runner, par, rank, tail, transport)
 
 
 def rank_stage(cfg: EngineConfig, rank: int) -> PipelineStage:
