@@ -13,6 +13,14 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 pytest_plugins = ("realk8s", "realk8s_operator", "realk8s_cluster")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("engine fuzzer (tests/test_engine_fuzz.py)")
+    group.addoption("--fuzz-seeds", type=int, default=int(os.environ.get("SPECDECODE_FUZZ_SEEDS", "4")),
+                    help="workloads per axis combination (env SPECDECODE_FUZZ_SEEDS; default 4, the CI set)")
+    group.addoption("--fuzz-first-seed", type=int, default=int(os.environ.get("SPECDECODE_FUZZ_FIRST_SEED", "0")),
+                    help="the first workload seed (env SPECDECODE_FUZZ_FIRST_SEED; default 0)")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``after_realk8s_tier`` read what the operator did across the real control
     plane tier: they run right after its last other test."""
@@ -376,6 +384,47 @@ def tiny_draft_dir(tiny_hf_model_dir, tmp_path_factory):
     weights = load_file(str(tiny_hf_model_dir / "model.safetensors"))
     noisy = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
     return copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("tiny-draft"), noisy)
+
+
+@pytest.fixture(scope="session")
+def sharp_target_dir(tiny_hf_model_dir, tmp_path_factory):
+    """The tiny llama's shape and tokenizer with sharper random weights: greedy continuations that
+    repeat (n-gram and suffix drafts get accepted) and logits far from ties."""
+    import json
+    from pathlib import Path
+
+    from specdecode.runtime.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((tiny_hf_model_dir / "config.json").read_text()))
+    return Path(copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("sharp-target"),
+                               random_hf_weights(cfg, seed=3, std=0.3)))
+
+
+@pytest.fixture(scope="session")
+def sharp_target(sharp_target_dir):
+    """(model, tokenizer) of ``sharp_target_dir``."""
+    from specdecode.runtime.config import LoadConfig
+    from specdecode.runtime.models.loader import load_model
+
+    loaded = load_model(LoadConfig(model=str(sharp_target_dir), weight_cache_dir=None))
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.fixture(scope="session")
+def sharp_draft_dir(sharp_target_dir, tmp_path_factory) -> str:
+    """The sharp target plus noise: a draft that agrees often, not always."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(1)
+    weights = load_file(str(sharp_target_dir / "model.safetensors"))
+    noisy = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    return copy_hf_folder(sharp_target_dir, tmp_path_factory.mktemp("sharp-draft"), noisy)
+
+
+@pytest.fixture(scope="session")
+def sharp_mtp_dir(sharp_target, write_random_mtp_head, tmp_path_factory) -> str:
+    """A random MTP head for the sharp target (its drafts are mostly rejected)."""
+    return write_random_mtp_head(sharp_target[0], tmp_path_factory.mktemp("sharp-mtp"))
 
 
 @pytest.fixture(scope="session")

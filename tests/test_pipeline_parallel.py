@@ -29,10 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import copy_hf_folder, random_hf_weights
 from local_process import descendants, free_port, is_worker, kill_group, run_group, running, start_serve, wait_ready
 from pydantic import ValidationError
-from safetensors.torch import load_file
 
 from specdecode.runtime.config import (
     MTP_PIPELINE_WARNING,
@@ -44,8 +42,6 @@ from specdecode.runtime.config import (
     SpeculativeConfig,
 )
 from specdecode.runtime.engine.sequence import SamplingParams
-from specdecode.runtime.models.loader import load_model
-from specdecode.runtime.models.model_config import ModelConfig
 
 K = 3
 PP2 = ("--pipeline-parallel-size", "2")
@@ -138,32 +134,23 @@ def _config(model: Path, spec: dict, tp: int, pp: int, trace: Path | None = None
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_hf_model_dir, tmp_path_factory) -> Path:
-    """The tiny llama's shape and tokenizer with sharper random weights: greedy continuations that
-    repeat (n-gram and suffix drafts get accepted) and logits far from ties."""
-    cfg = ModelConfig.from_hf(json.loads((tiny_hf_model_dir / "config.json").read_text()))
-    return Path(copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("pp-target"),
-                               random_hf_weights(cfg, seed=3, std=0.3)))
+def target_dir(sharp_target_dir) -> Path:
+    return sharp_target_dir
 
 
 @pytest.fixture(scope="module")
-def target(target_dir):
-    loaded = load_model(LoadConfig(model=str(target_dir), weight_cache_dir=None))
-    return loaded.model, loaded.tokenizer
+def target(sharp_target):
+    return sharp_target
 
 
 @pytest.fixture(scope="module")
-def draft_dir(target_dir, tmp_path_factory) -> str:
-    """The target plus noise: a draft that agrees often, not always."""
-    gen = torch.Generator().manual_seed(1)
-    weights = load_file(str(target_dir / "model.safetensors"))
-    noisy = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    return copy_hf_folder(target_dir, tmp_path_factory.mktemp("pp-draft"), noisy)
+def draft_dir(sharp_draft_dir) -> str:
+    return sharp_draft_dir
 
 
 @pytest.fixture(scope="module")
-def mtp_dir(target, write_random_mtp_head, tmp_path_factory) -> str:
-    return write_random_mtp_head(target[0], tmp_path_factory.mktemp("pp-mtp"))
+def mtp_dir(sharp_mtp_dir) -> str:
+    return sharp_mtp_dir
 
 
 @pytest.fixture(scope="module")
