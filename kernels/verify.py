@@ -81,7 +81,8 @@ def rejection_verify(
 ) -> torch.Tensor:  # [B, K+1] int64
     """Speculative sampling (Leviathan/Chen): lossless for any draft distribution q.
 
-    Draft x at position i is accepted iff ``accept_uniforms[b, i] * q(x) <= p(x)`` (u < min(1, p/q)).
+    Draft x at position i is accepted iff ``p(x) > 0 and accept_uniforms[b, i] * q(x) <= p(x)``
+    (u < min(1, p/q)); a draft the target gives probability 0 is rejected even at u == 0.
     At the first rejection the recovered token is an inverse-CDF sample of ``max(0, p - q)`` (with a
     one-hot q: p without x) using ``sample_uniforms[b, i]``; if that residual is all zero (p == q),
     of p. If all drafts are accepted, the bonus token samples p at position num_draft with
@@ -163,7 +164,8 @@ def rejection_verify_reference(
     drafts = torch.where(valid, draft_token_ids, 0)  # [B, K]
     p_x = target_probs[:, :K].gather(2, drafts[..., None]).squeeze(-1)  # [B, K]
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(2, drafts[..., None]).squeeze(-1)
-    rejected = valid & ~(accept_uniforms * q_x <= p_x)  # [B, K]
+    accepted = (p_x > 0) & (accept_uniforms * q_x <= p_x)  # [B, K]; p(x) == 0 is never accepted, even at u == 0
+    rejected = valid & ~accepted  # [B, K]
     num_accepted = _first_true(rejected, num)  # [B]
     rows = torch.arange(B, device=drafts.device)
     p = target_probs[rows, num_accepted]  # [B, V]: the recovered or bonus position
@@ -417,7 +419,7 @@ def _rejection_verify_kernel(
     if Q_MODE == 2:
         q_x = tl.load(q_ptr + (row * K + offs) * V + drafts, mask=drafted, other=1.0)
     accept_u = tl.load(accept_u_ptr + row * K + offs, mask=drafted, other=0.0)
-    rejected = drafted & (accept_u * q_x > p_x)  # the negation of: accept iff u * q(x) <= p(x)
+    rejected = drafted & ((p_x <= 0) | (accept_u * q_x > p_x))  # not (p(x) > 0 and u * q(x) <= p(x))
     num_accepted = tl.min(tl.where(rejected, offs, num), axis=0)
     pos = row * (K + 1) + num_accepted
     u = tl.load(sample_u_ptr + pos)

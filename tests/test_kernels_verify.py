@@ -197,6 +197,23 @@ def test_rejection_hand_computed_dense_q():
     ]
 
 
+@pytest.mark.parametrize("one_hot", [True, False], ids=["one_hot_q", "dense_q"])
+def test_rejection_rejects_a_zero_probability_draft_at_accept_uniform_zero(one_hot):
+    """A draft x with p(x) = 0 (grammar-masked, outside top-k/top-p) is rejected even when the accept
+    uniform is exactly 0, where ``u * q(x) <= p(x)`` holds (issue 26), and when q(x) = 0 too; the
+    recovered token has p > 0."""
+    V, x = 8, 2
+    p = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0, 0.0, 0.0, 0.0]).expand(2, 2, V).contiguous()  # [2, K+1=2, V]
+    q = None if one_hot else torch.tensor([[[0.1, 0.0, 0.6, 0.3, 0.0, 0.0, 0.0, 0.0]],
+                                           [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])  # [2, K=1, V]; row 1: q(x) = 0
+    drafts, num = torch.full((2, 1), x), torch.ones(2, dtype=torch.long)
+    accept_u = torch.tensor([[0.0], [0.5]])
+    sample_u = torch.tensor([[0.0, 0.0], [NEAR_ONE, 0.0]])
+    out = _all_paths("rejection_verify", drafts, num, p, q, accept_u, sample_u, block_vs=(None, 4))
+    assert out.tolist() == [[1, P], [3, P]]  # recovered from p (one-hot q) or max(0, p - q): tokens with mass
+    assert (p[0, 0, out[:, 0]] > 0).all()
+
+
 def test_topp_ties_and_candidate_set():
     probs = torch.tensor([0.25, 0.25, 0.25, 0.125, 0.125])  # exact in binary: sums are exact
     p = probs.expand(7, 2, 5).contiguous()  # [7, K+1=2, V=5]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdecode.runtime.config import VerifyStrategy
+from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.engine.verifier import Verifier
@@ -121,3 +122,33 @@ def test_no_log_softmax_when_no_request_asked_for_logprobs(log_softmax_rows):
     rows = mixed_rows({"greedy": None, "sampled": None, "plain": None})
     verdicts = Verifier(VerifyStrategy.TARGET_MATCH, verify_top_p=0.9)(batch_logits(rows), rows)
     assert log_softmax_rows == [] and all(v.logprobs == [] for v in verdicts)
+
+
+ZERO_ACCEPT_SEED, ZERO_ACCEPT_POSITION = 6116899, 10  # the accept uniform there is exactly 0.0 (issue 26)
+
+
+@pytest.mark.parametrize("dense_q", [False, True], ids=["one_hot_q", "dense_q"])
+@pytest.mark.parametrize("zeroed_by", ["grammar", "top_k"])
+def test_a_draft_of_target_probability_zero_is_rejected_at_accept_uniform_zero(zeroed_by, dense_q):
+    """Seed 6116899 at position 10 draws an accept uniform of exactly 0, where ``u * q(x) <= p(x)``
+    holds for p(x) = 0: the draft (the target's second best, forbidden by the grammar or cut by
+    top_k = 1) must still be rejected, and the recovered token is one the target allows."""
+    assert rng.uniform(ZERO_ACCEPT_SEED, ZERO_ACCEPT_POSITION, rng.Stream.ACCEPT) == 0.0
+    vocab = 16
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))  # [K+1=2, V]
+    best, draft = logits[0].argsort(descending=True)[:2].tolist()
+    allowed = None
+    params = SamplingParams(temperature=1.0, top_k=1, max_tokens=8)
+    if zeroed_by == "grammar":
+        allowed = torch.full((2, 1), -1, dtype=torch.int32)  # [K+1, ceil(V/32)]: all allowed
+        allowed[0, 0] = ~(1 << draft)  # but the draft at position 0
+        params = SamplingParams(temperature=1.0, max_tokens=8)
+    q = torch.full((1, vocab), 0.5 / (vocab - 1)) if dense_q else None  # [K=1, V]
+    if dense_q:
+        q[0, draft] = 0.5
+    row = SamplerRow(params, ZERO_ACCEPT_SEED, ZERO_ACCEPT_POSITION, [], [draft], q, allowed=allowed)
+    (verdict,) = Verifier(VerifyStrategy.REJECTION, verify_top_p=0.9)(logits, [row])
+    assert verdict.num_accepted == 0
+    assert verdict.token_ids[0] != draft
+    if zeroed_by == "top_k":
+        assert verdict.token_ids == [best]
