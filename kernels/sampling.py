@@ -3,9 +3,11 @@
 Every verify strategy that samples, and the engine's sampler without speculation, draw tokens with
 this rule, so seeded sampling with and without speculation picks the same token from the same
 probabilities and uniform. Given weights w >= 0 (not necessarily normalised) and u in [0, 1), the
-token is the smallest t with ``cumsum(w)[t] > u * sum(w)``, clamped to the last token with w > 0
-(so rounding with u near 1 can never pick a zero-weight token past the end); a row of all zeros
-gives token 0.
+token is the smallest t with ``w[t] > 0`` and ``cumsum(w)[t] > u * sum(w)``, clamped to the last
+token with w > 0 (so rounding with u near 1 can never pick a zero-weight token past the end); a row
+of all zeros gives token 0. ``w[t] > 0`` changes nothing in exact arithmetic; it keeps a cumulative
+sum that rounds up across a zero (a block's ``sum`` carried past its ``cumsum``) from picking a
+zero-weight token.
 
 Kernels scan the vocabulary in blocks (vocabularies of 150k+ tokens), so their cumulative sums may
 round differently from ``torch.cumsum`` in the last bit: Triton and reference agree except when
@@ -33,7 +35,7 @@ def inverse_cdf_sample(
     *,
     use_triton: bool | None = None,
 ) -> torch.Tensor:  # [N] int64
-    """The shared sampling rule (module docstring): smallest t with cumsum(p)[t] > u * sum(p), clamped."""
+    """The shared sampling rule (module docstring): smallest t with p[t] > 0, cumsum(p)[t] > u * sum(p), clamped."""
     if use_triton_for(use_triton, probs, uniforms):
         return inverse_cdf_sample_triton(probs, uniforms)
     return inverse_cdf_sample_reference(probs, uniforms)
@@ -47,7 +49,7 @@ def inverse_cdf_sample_reference(probs: torch.Tensor, uniforms: torch.Tensor) ->
         return vocab.new_zeros(N)
     threshold = uniforms * probs.sum(-1)  # [N]
     cdf = probs.cumsum(-1)  # [N, V]
-    first = torch.where(cdf > threshold[:, None], vocab, V).amin(-1)  # [N]
+    first = torch.where((cdf > threshold[:, None]) & (probs > 0), vocab, V).amin(-1)  # [N]
     last_nonzero = torch.where(probs > 0, vocab, -1).amax(-1)  # [N]
     return torch.minimum(first, last_nonzero).clamp(min=0)
 
@@ -109,7 +111,7 @@ def sample_row(
         total = tl.where(use_residual, r_total, p_total)
     threshold = u * total
     carry = tl.full([], 0.0, tl.float32)
-    first = tl.zeros([], tl.int32) + V  # smallest index whose cumulative weight passes the threshold
+    first = tl.zeros([], tl.int32) + V  # smallest index with w > 0 whose cumulative weight passes the threshold
     last_nonzero = tl.full([], -1, tl.int32)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + offs
@@ -117,7 +119,7 @@ def sample_row(
         if Q_MODE != 0:
             w = tl.where(use_residual, _residual(w, q_row, idx, V, draft_tok, Q_MODE), w)
         cdf = carry + tl.cumsum(w, axis=0)
-        first = tl.minimum(first, tl.min(tl.where(cdf > threshold, idx, V), axis=0))
+        first = tl.minimum(first, tl.min(tl.where((cdf > threshold) & (w > 0), idx, V), axis=0))
         last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(w > 0, idx, -1), axis=0))
         carry += tl.sum(w, axis=0)
     return tl.maximum(tl.minimum(first, last_nonzero), 0)

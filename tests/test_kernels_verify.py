@@ -115,6 +115,19 @@ def test_inverse_cdf_edges():
     assert _all_paths("inverse_cdf_sample", probs, u, block_vs=(None, 2, 4)).tolist() == [1, 2, 3, 3, 3, 0]
 
 
+def test_inverse_cdf_never_picks_a_zero_weight_token_after_a_block_edge():
+    """Blocked kernels carry ``sum(block)`` into the next block but compare ``cumsum(block)``, which may
+    round lower (pairwise vs sequential, or tree vs scan): a threshold between the two used to pick
+    the zero-weight token opening the next block (a grammar-forbidden token)."""
+    probs = torch.zeros(1, 32)
+    probs[0, 0], probs[0, 1:16], probs[0, 17] = 1.0, 2.0**-24, 1.0  # token 16 (first of block 2): weight 0
+    u = torch.tensor([0.5])  # threshold ~1 + 2^-21: above the sequential cumsum of block 1, below its sum
+    for use_triton, kwargs in ((False, {}), (True, {"block_v": 16}), (True, {})):
+        fn = ks.inverse_cdf_sample_triton if use_triton else ks.inverse_cdf_sample_reference
+        token = int(fn(probs, u, **kwargs))
+        assert probs[0, token] > 0, (use_triton, kwargs, token)
+
+
 def test_greedy_hand_computed():
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [9, P, P], [5, P, P]])
     num = torch.tensor([3, 3, 3, 0, 1])
