@@ -82,10 +82,13 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def start_serve(model: Path, port: int, log: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_serve(model: Path, port: int, log: Path, *flags: str, env: dict[str, str] | None = None,
+                launcher: Path | None = None) -> subprocess.Popen:
     """``specdecode serve`` of ``model`` on the CPU with ``flags`` (e.g. a parallel layout), its own
-    session (``kill_group`` takes the whole tree), output in ``log``."""
-    cmd = [sys.executable, "-P", "-m", "specdecode.runtime.cli", "serve", "--model", str(model), "--no-weight-cache",
+    session (``kill_group`` takes the whole tree), output in ``log``. ``launcher``: a script run
+    instead of the CLI module, with the same arguments (a test's fault injection, then the CLI's main)."""
+    main = [str(launcher)] if launcher is not None else ["-m", "specdecode.runtime.cli"]
+    cmd = [sys.executable, "-P", *main, "serve", "--model", str(model), "--no-weight-cache",
            "--device", "cpu", "--port", str(port), "--kv-cache-blocks", "64", "--log-level", "warning", *flags]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True,

@@ -1,8 +1,12 @@
 """Engine behaviour on the real default model (SmolLM2) and a tiny sharp random model.
 
 Greedy batch invariance (alone vs batch of 8, chunked prefill, prefix-cache hits, forced
-preemption), one forward per step, stops, seeds, penalties, n, logprobs, abort.
+preemption), one forward per step, stops, seeds, penalties, n, logprobs, abort; a failure while a
+step runs in the background (overlap) fails that step only once the step has finished.
 """
+import threading
+import time
+
 import pytest
 import torch
 
@@ -189,3 +193,29 @@ def test_invalid_requests_are_refused_with_reason(sharp, make_engine):
         engine.add_request("d", [10**7], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_a_failure_while_a_step_runs_ahead_waits_for_that_step_and_the_next_request_runs_clean(
+        sharp, make_engine, run_all):
+    model, tok = sharp
+    prompt = tok.encode("hello world " * 4)
+    engine = make_engine(model, tok)  # overlap on: the step runs in a background thread
+    run, ran = engine.runner.run, threading.Event()
+
+    def slow_run(step):
+        time.sleep(0.3)  # still running when planning the next step ahead fails
+        out = run(step)
+        ran.set()
+        return out
+
+    def failing_plan_ahead(plan):
+        raise RuntimeError("injected: planning ahead failed")
+
+    engine.runner.run, engine._plan_ahead = slow_run, failing_plan_ahead
+    engine.add_request("a", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="planning ahead failed"):
+        engine.step()
+    assert ran.is_set(), "the failed step still runs: it would race the next step on the KV pools"
+    engine.abort_request("a")  # what AsyncEngine does with a failed step's requests
+    del engine.runner.run, engine._plan_ahead
+    assert run_all(engine, [prompt], GREEDY) == run_all(make_engine(model, tok), [prompt], GREEDY)

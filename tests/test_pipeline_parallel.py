@@ -12,7 +12,8 @@
 - Structured outputs: rank 0 sends each constrained row's grammar mask to the last stage, so greedy
   output under a grammar equals TP = 1, PP = 1 for every proposer.
 - Overlap by recorded event order; MTP × PP warns once with the gate; a killed rank brings every
-  rank down with a non-zero exit, rank 0's /health answering 503 first; a taken rendezvous port
+  rank down with a non-zero exit, rank 0's /health answering 503 first; so does a failure on rank 0
+  between a step's launch and the reading of its verdicts, within 15 s; a taken rendezvous port
   fails at once.
 """
 from __future__ import annotations
@@ -420,6 +421,63 @@ def test_killing_a_stage_mid_generation_brings_every_rank_down_non_zero_after_he
         assert 503 in statuses, statuses[-5:]
         assert proc.returncode != 0, log.read_text()[-4000:]
         assert not running(worker)
+    finally:
+        kill_group(proc)
+
+
+# ``specdecode serve`` whose rank 0 raises in ``LLMEngine._plan_ahead`` once a sequence has 3 tokens
+# (past the warm-up's 2): while the step it plans after runs on the stages, before its verdicts are read
+FAULTY_PLAN_AHEAD = """
+import sys
+import time
+from pathlib import Path
+
+from specdecode.runtime.cli import main
+from specdecode.runtime.engine.llm_engine import LLMEngine
+
+plan_ahead = LLMEngine._plan_ahead
+
+
+def failing_plan_ahead(self, plan):
+    if any(item.seq.num_output_tokens >= 3 for item in plan.scheduled):
+        Path({fault!r}).write_text(str(time.time()))
+        raise RuntimeError("injected: planning ahead failed")
+    return plan_ahead(self, plan)
+
+
+if __name__ == "__main__":
+    LLMEngine._plan_ahead = failing_plan_ahead
+    sys.exit(main())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_fault_before_the_verdicts_are_read_brings_every_rank_down_non_zero_after_health_503(
+        tiny_hf_model_dir, tmp_path):
+    fault = tmp_path / "fault"
+    launcher = tmp_path / "serve_with_fault.py"
+    launcher.write_text(FAULTY_PLAN_AHEAD.format(fault=str(fault)))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = start_serve(tiny_hf_model_dir, port, log, *PP2, launcher=launcher)  # overlap is on under PP
+    try:
+        wait_ready(proc, url, log, timeout=60)
+        (worker,) = [pid for pid in descendants(proc.pid) if is_worker(pid)]  # rank 1: the last stage
+        body = {"prompt": "Hello world", "max_tokens": 50, "temperature": 0, "ignore_eos": True, "stream": True}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=30)  # the stream ends with the failed step
+        assert fault.exists(), answer.text
+        deadline = float(fault.read_text()) + 15  # every rank gone by then
+        statuses = []
+        while (proc.poll() is None or running(worker)) and time.time() < deadline:
+            try:
+                statuses.append(httpx.get(url + "/health", timeout=2).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert 503 in statuses, statuses[-5:]
+        assert proc.poll() is not None and proc.returncode != 0, log.read_text()[-4000:]
+        assert not running(worker), "the last stage outlived rank 0"
     finally:
         kill_group(proc)
 

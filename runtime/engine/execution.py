@@ -45,6 +45,11 @@ class Execution:
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
         raise NotImplementedError
 
+    def abandon(self, exc: BaseException) -> BaseException:
+        """The launched step's result will never be read: ``exc`` was raised before it was. Leave
+        nothing of that step in flight; what the engine raises instead of ``exc``."""
+        return exc
+
     def preempted(self, seq: Sequence) -> None:
         """``seq`` lost its KV slots."""
 
@@ -68,6 +73,13 @@ class LocalExecution(Execution):
             result = self._run(step, rows)
             return lambda: result
         return self._thread.submit(self._run, step, rows).result
+
+    def abandon(self, exc: BaseException) -> BaseException:
+        """Wait for the step still running in the background: it writes the KV pools the next step reads.
+        An ordinary failed step then: this process holds all that the step changed."""
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()  # one worker thread: this runs after that step
+        return exc
 
     @torch.inference_mode()
     def _run(self, step: PreparedStep, rows: list[SamplerRow]) -> StepResult:

@@ -201,14 +201,11 @@ class LLMEngine:
         self._step_number += 1
         pending = self.execution.launch(plan.scheduled, plan.inputs, plan.rows)
         self._event("launched")
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
-        ahead = None
-        if self.overlap:
-            before = time.perf_counter()
-            ahead = self._plan_ahead(plan)
-            self.overlapped_host_s += time.perf_counter() - before
-        result = pending()
+        try:  # a launched step's result is read, or abandoned: never left for the next read
+            ahead = self._while_running(plan)
+            result = pending()
+        except BaseException as exc:
+            raise self.execution.abandon(exc)
         self._event("verdicts read")
         self._apply(plan, result)
         if ahead is not None:
@@ -263,6 +260,17 @@ class LLMEngine:
             return plan
         self._event("rebuilt: a sequence stopped running", self._step_number + 1)
         return self._build(kept) if kept else None
+
+    def _while_running(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None] | None:
+        """Count the launched step's tokens as computed; with overlap, plan step N+1 ahead meanwhile."""
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
+        if not self.overlap:
+            return None
+        before = time.perf_counter()
+        ahead = self._plan_ahead(plan)
+        self.overlapped_host_s += time.perf_counter() - before
+        return ahead
 
     def _plan_ahead(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None]:
         """Step N+1's prompt chunks and admissions, built while step N runs (see the module docstring)."""

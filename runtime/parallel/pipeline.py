@@ -239,6 +239,16 @@ class PipelineExecution(Execution):
             self._preempted.pop(seq.seq_id, None)
             self._gone.append(seq.seq_id)
 
+    def abandon(self, exc: BaseException) -> BaseException:
+        """The stages ran the step and the verifier answered; unread, that answer would be the next
+        step's: the group is out of step for good (an interrupt stays one)."""
+        self.channel.broken = True
+        if isinstance(exc, TensorParallelBroken) or not isinstance(exc, Exception):
+            return exc
+        broken = TensorParallelBroken(f"pipeline step abandoned before its verdicts were read: {exc}")
+        broken.__cause__ = exc
+        return broken
+
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
         plan = self._plan(scheduled, rows)
         deciding = [item for item in scheduled if item.samples]
