@@ -47,7 +47,7 @@ class Leader:
         if self.channel is not None:
             try:
                 self.channel.close()
-                grace = WORKER_EXIT_GRACE_S
+                grace = 0.0 if self.channel.broken else WORKER_EXIT_GRACE_S  # broken: no message went out
             except RuntimeError as exc:  # a worker is gone already: kill the rest
                 log.warning("could not send the shutdown message: %s", exc)
             dist.destroy_process_group()
