@@ -242,7 +242,7 @@ class PipelineExecution(Execution):
     def abandon(self, exc: BaseException) -> BaseException:
         """The stages ran the step and the verifier answered; unread, that answer would be the next
         step's: the group is out of step for good (an interrupt stays one)."""
-        self.channel.broken = True
+        self.transport.broken = True
         if isinstance(exc, TensorParallelBroken) or not isinstance(exc, Exception):
             return exc
         broken = TensorParallelBroken(f"pipeline step abandoned before its verdicts were read: {exc}")
