@@ -257,6 +257,7 @@ class PipelineExecution(Execution):
         wants_logprobs = any(row.params.logprobs is not None for row in rows)
         started = time.perf_counter()
         self.transport.run_step(step.input_ids, step.batch, lambda ids, batch: self._first_stage(plan, ids, batch))
+        self._sent(plan)
         handed_on = time.perf_counter()
         self.stats.first_stage_s += handed_on - started
 
@@ -284,17 +285,20 @@ class PipelineExecution(Execution):
         return hidden
 
     def _plan(self, scheduled: list[ScheduledSeq], rows: list[SamplerRow]) -> TailPlan:
-        plan = TailPlan(gone=self._gone, preempted=list(self._preempted))
-        self._gone, self._preempted = [], {}
+        """The step's plan; what the verifier knows changes only once it is sent (``_sent``)."""
+        plan = TailPlan(gone=list(self._gone), preempted=list(self._preempted))
         masks = iter(row.allowed for row in rows)  # rows: the deciding items', in order
         for item in scheduled:
             seq = item.seq
             if seq.seq_id not in self._known:
-                self._known.add(seq.seq_id)
                 plan.new.append(SeqIntro(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed))
             plan.items.append(ItemPlan(seq.seq_id, item.start, item.num_tokens, list(item.draft_token_ids),
                                        list(seq.block_table), next(masks) if item.samples else None))
         return plan
+
+    def _sent(self, plan: TailPlan) -> None:
+        self._known.update(intro.seq_id for intro in plan.new)
+        self._gone, self._preempted = [], {}
 
     def _verdicts(self, deciding: list[ScheduledSeq], message: VerdictMessage, logprobs: list | None) -> list[Verdict]:
         out = []
