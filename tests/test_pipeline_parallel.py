@@ -411,18 +411,24 @@ def test_killing_a_stage_mid_generation_brings_every_rank_down_non_zero_after_he
         client.start()
         assert streamed.wait(30), "no token streamed"
         os.kill(worker, signal.SIGKILL)  # mid-generation
-        statuses = []
-        while proc.poll() is None:
-            try:
-                statuses.append(httpx.get(url + "/health", timeout=2).status_code)
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        statuses = _health_until(url, lambda: proc.poll() is not None)
         assert 503 in statuses, statuses[-5:]
         assert proc.returncode != 0, log.read_text()[-4000:]
         assert not running(worker)
     finally:
         kill_group(proc)
+
+
+def _health_until(url: str, done) -> list[int]:
+    """/health's status codes, asked every 0.1 s until ``done()`` (no answer: nothing recorded)."""
+    statuses = []
+    while not done():
+        try:
+            statuses.append(httpx.get(url + "/health", timeout=2).status_code)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return statuses
 
 
 # ``specdecode serve`` whose rank 0 raises in ``LLMEngine._plan_ahead`` once a sequence has 3 tokens
@@ -468,13 +474,8 @@ def test_a_fault_before_the_verdicts_are_read_brings_every_rank_down_non_zero_af
         answer = httpx.post(url + "/v1/completions", json=body, timeout=30)  # the stream ends with the failed step
         assert fault.exists(), answer.text
         deadline = float(fault.read_text()) + 15  # every rank gone by then
-        statuses = []
-        while (proc.poll() is None or running(worker)) and time.time() < deadline:
-            try:
-                statuses.append(httpx.get(url + "/health", timeout=2).status_code)
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        statuses = _health_until(url, lambda: (proc.poll() is not None and not running(worker))
+                                 or time.time() >= deadline)
         assert 503 in statuses, statuses[-5:]
         assert proc.poll() is not None and proc.returncode != 0, log.read_text()[-4000:]
         assert not running(worker), "the last stage outlived rank 0"
