@@ -303,10 +303,10 @@ class LLMEngine:
         scheduled = decode + kept
         if not scheduled:
             return None
-        if len(kept) < len(ahead):
+        rebuilt = len(kept) < len(ahead)
+        if rebuilt:
             self._event("rebuilt: a decode row preempted a sequence built ahead", self._step_number + 1)
-            return self._build(scheduled)
-        if ahead_inputs is None:
+        if rebuilt or ahead_inputs is None:
             return self._build(scheduled)
         return self._build(scheduled, self.runner.prepare(decode).then(ahead_inputs) if decode else ahead_inputs)
 

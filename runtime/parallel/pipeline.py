@@ -240,12 +240,13 @@ class PipelineExecution(Execution):
             self._gone.append(seq.seq_id)
 
     def abandon(self, exc: BaseException) -> BaseException:
-        """The stages ran the step and the verifier answered; unread, that answer would be the next
-        step's: the group is out of step for good (an interrupt stays one)."""
+        """Anything that failed between the launch and the verdicts' arrival — the wait itself, or the
+        host work meanwhile — leaves the stages out of step for good: an unread answer would be the
+        next step's (an interrupt stays one)."""
         self.transport.broken = True
         if isinstance(exc, TensorParallelBroken) or not isinstance(exc, Exception):
             return exc
-        broken = TensorParallelBroken(f"pipeline step abandoned before its verdicts were read: {exc}")
+        broken = TensorParallelBroken(f"pipeline step failed before its verdicts were read: {exc}")
         broken.__cause__ = exc
         return broken
 
@@ -263,12 +264,8 @@ class PipelineExecution(Execution):
 
         def verdicts() -> StepResult:
             numel = VerdictMessage.numel(len(deciding), width, num_drafts)
-            try:
-                flat = self.transport.receive_verdict(numel, self.runner.device)
-                logprobs = self.transport.receive_logprobs() if wants_logprobs else None
-            except Exception as exc:
-                self.transport.broken = True
-                raise TensorParallelBroken(f"pipeline step failed waiting for the last stage: {exc}") from exc
+            flat = self.transport.receive_verdict(numel, self.runner.device)  # a failure here: ``abandon``
+            logprobs = self.transport.receive_logprobs() if wants_logprobs else None
             message = VerdictMessage.decode(flat, len(deciding), width, num_drafts)
             self._count(numel, len(deciding), handed_on)
             self.trace.ran(step.batch, items=[[i.seq_id, i.start, i.num_tokens, len(i.draft_token_ids)] for i in plan.items],
