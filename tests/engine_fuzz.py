@@ -190,9 +190,11 @@ class Coverage(Counter):
     """What a run exercised (see the module docstring); counts add up across runs."""
 
 
-def run_workload(engine: LLMEngine, workload: Workload, coverage: Coverage) -> dict[str, Outcome]:
-    """Run the workload's requests (arrivals and aborts by engine step) to the end."""
-    spies = _Spies(engine, coverage)
+def run_workload(engine: LLMEngine, workload: Workload, coverage: Coverage | None = None) -> dict[str, Outcome]:
+    """Run the workload's requests (arrivals and aborts by engine step) to the end. With ``coverage``
+    the engine is watched (``_Spies``: once per engine, a fresh one) and what it exercised counted."""
+    spies = None if coverage is None else _Spies(engine, coverage)
+    coverage = Coverage() if coverage is None else coverage
     requests = {r.request_id: r for r in workload.requests}
     outcomes = {r.request_id: Outcome([Completion() for _ in range(r.params.n)]) for r in workload.requests}
     for step in range(MAX_STEPS):
@@ -205,7 +207,8 @@ def run_workload(engine: LLMEngine, workload: Workload, coverage: Coverage) -> d
             break
         for out in engine.step():
             _record(outcomes[out.request_id], out)
-        spies.after_step()
+        if spies is not None:
+            spies.after_step()
         for seq in engine.scheduler.preempted:  # by the scheduling this step ended with (the look-ahead's, with overlap)
             r = requests[seq.request_id]
             if r.abort_when_preempted and r.request_id in engine.requests:
@@ -346,7 +349,11 @@ class FuzzBed:
                 engine = LLMEngine(self.model, self.tokenizer, cfg, 2048, torch.device("cpu"), torch.float32)
                 self._reference_engines[block_size] = engine
             alone = FuzzRequest("reference", request.prompt, request.params, 0, None)
-            self._references[key] = run_workload(engine, Workload(0, None, None, (alone,)), Coverage())["reference"].completions
+            try:
+                self._references[key] = run_workload(engine, Workload(0, None, None, (alone,)))["reference"].completions
+            except BaseException:
+                del self._reference_engines[block_size]  # a failed run leaves its request behind
+                raise
         return self._references[key]
 
     def judge(self, workload: Workload, outcomes: dict[str, Outcome]) -> None:
