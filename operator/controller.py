@@ -55,13 +55,13 @@ from specdecode.operator.reconcile import (
     read_status,
     ready_replicas,
     running_kind,
-    runtime_refusal,
     scrape_targets,
     status_patch,
 )
 from specdecode.operator.render import revision, serving_selector
 from specdecode.operator.resolve import Resolved, duration_seconds, resolve
-from specdecode.operator.rollout import Event, EventType, advance, read_commands
+from specdecode.operator.pods import not_ready_reason, runtime_refusal
+from specdecode.operator.rollout import Event, EventType, advance, read_commands, route_canary, weight_in_effect
 from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus, WorkloadKind
 from specdecode.operator.traffic import RouteError, route_patch
 from specdecode.runtime.config import SpeculativeMethod
@@ -248,17 +248,22 @@ def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDe
     kind, kind_warnings = desired_kind(r, running, (meta.get("annotations") or {}).get(names.ANNOTATION_WORKLOAD_KIND),
                                        lambda: cluster.serves(kube.LEADER_WORKER_SET.api_version))
     lws = kind is WorkloadKind.LEADER_WORKER_SET
-    refusal = runtime_refusal(cluster.pods(r.namespace, names.runtime_pod_labels(r.name)))
+    pods = cluster.pods(r.namespace, names.runtime_pod_labels(r.name))
     verdict = _analyse(ctx, r, status, now, logger, lws=lws) if analyze else None
     desired = revision(r, leader_worker_set=lws)
     t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
-                verdict=verdict, commands=read_commands(meta.get("annotations")), refusal=refusal)
+                verdict=verdict, analysed=analyze, commands=read_commands(meta.get("annotations")),
+                refusal=runtime_refusal(pods),
+                not_ready=not_ready_reason(pods, status.canary_revision) if status.canary_revision else None)
     stable_kind = kind if t.status.stable_revision == desired else running or kind
     changes = plan(r, desired, t.replicas, existing, owner=body, stable=t.status.stable_revision,
-                   canary=t.status.canary_revision, kind=kind, stable_kind=stable_kind)
+                   canary=route_canary(t.status), kind=kind, stable_kind=stable_kind)
     warnings, refused = _apply(cluster, changes)
-    warnings += _route(cluster, r, t.status.rollout.canary_weight, logger)
-    new = t.status.model_copy(update={
+    weight = t.status.rollout.canary_weight
+    route_warnings, carried = _route(cluster, r, weight, logger)
+    warnings += route_warnings
+    settled = weight_in_effect(t.status, weight, r.spec, now) if carried else t.status
+    new = settled.model_copy(update={
         "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *kind_warnings, *warnings),
         "selector": names.label_selector(serving_selector(r, leader_worker_set=stable_kind is WorkloadKind.LEADER_WORKER_SET)),
         "layout": r.layout.notation, "workload_kind": stable_kind})
@@ -300,24 +305,29 @@ def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[str]]:
     return warnings, refused
 
 
-def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None, logger: logging.Logger) -> list[str]:
-    """Set the canary's weight on the HTTPRoute of ``rollout.trafficRouting``; why not, as warnings."""
+def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None,
+           logger: logging.Logger) -> tuple[list[str], bool]:
+    """Set the canary's weight on the HTTPRoute of ``rollout.trafficRouting``. Returns why not, as
+    warnings, and whether the weight is in effect: the route holds it, or no route can carry
+    weights and the replica ratio rules (as without trafficRouting); not when the route changed
+    meanwhile (the next reconciliation sets it)."""
     routing = r.spec.rollout.traffic_routing
     if routing is None or canary_weight is None:
-        return []
+        return [], True
     if not cluster.serves(kube.HTTP_ROUTE.api_version):
         return [f"HTTPRoute {routing.http_route}: the cluster does not serve {kube.HTTP_ROUTE.api_version}; "
-                "traffic follows the replica ratio"]
+                "traffic follows the replica ratio"], True
     route = cluster.read(kube.HTTP_ROUTE, r.namespace, routing.http_route)
     if route is None:
-        return [f"HTTPRoute {routing.http_route} not found: traffic follows the replica ratio"]
+        return [f"HTTPRoute {routing.http_route} not found: traffic follows the replica ratio"], True
     try:
         change = route_patch(route, r, canary_weight)
     except RouteError as exc:
-        return [str(exc)]
+        return [str(exc)], True
     if change is not None and not cluster.patch_unless_changed(change):
         logger.info("HTTPRoute %s changed meanwhile: weights set on the next reconciliation", routing.http_route)
-    return []
+        return [], False
+    return [], True
 
 
 def _record(metrics: OperatorMetrics, r: Resolved, before: SpecDecodeDeploymentStatus,

@@ -31,11 +31,15 @@ COMPONENT_RENDEZVOUS = "rendezvous"  # the headless Service of a multi-pod group
 COMPONENT_ROUTE_BACKEND = "route-backend"  # the stable and canary Services an HTTPRoute weighs
 METRIC_LABEL_REVISION = "revision"  # the label a ServiceMonitor puts on every scraped series
 
-# -- annotations a user sets on the SpecDecodeDeployment to steer a rollout (value "true") -------
-ANNOTATION_PROMOTE = f"{GROUP}/promote"  # one-shot: skip the remaining steps and analysis; removed when done
-ANNOTATION_ABORT = f"{GROUP}/abort"  # one-shot: roll back now; removed when done
-ANNOTATION_RESUME = f"{GROUP}/resume"  # one-shot: resume a paused rollout (also one paused by the analysis)
-ANNOTATION_PAUSE = f"{GROUP}/pause"  # held while present; removing it resumes
+# -- annotations a user sets on the SpecDecodeDeployment to steer a rollout ----------------------
+# The value names the revision meant (or is any token); each value acts once and the annotation
+# stays (status.commands records it), so GitOps re-applying it does nothing. "true" still acts
+# and is removed, with a deprecation Warning.
+ANNOTATION_PROMOTE = f"{GROUP}/promote"  # skip the remaining steps and analysis
+ANNOTATION_ABORT = f"{GROUP}/abort"  # roll back now
+ANNOTATION_RESUME = f"{GROUP}/resume"  # resume a paused rollout (also one paused by the analysis)
+ANNOTATION_PAUSE = f"{GROUP}/pause"  # hold the rollout (one set before an edit holds it from its start); removing it resumes
+ANNOTATION_RETRY = f"{GROUP}/retry"  # start the rolled-back revision's canary again
 # held: StatefulSet or LeaderWorkerSet, the multi-pod workload kind to run (a change rolls out)
 ANNOTATION_WORKLOAD_KIND = f"{GROUP}/workload-kind"
 # on each child: a hash of what the operator last applied to it (applied again when it differs)

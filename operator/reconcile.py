@@ -17,8 +17,8 @@
   (LeaderWorkerSet when the cluster serves it then) and recorded in ``status.workloadKind``;
   only the ``names.ANNOTATION_WORKLOAD_KIND`` annotation changes it, through a rollout.
 - ``ready_replicas``: ready model replicas (whole parallel groups) per revision, as ``advance``
-  takes them; ``scrape_targets``: the canary pods' ``/metrics`` addresses; ``runtime_refusal``:
-  why a runtime pod will not start (its termination message), as ``advance`` takes it.
+  takes them; ``scrape_targets``: the canary pods' ``/metrics`` addresses. Why a runtime pod
+  will not start (``pods.runtime_refusal``) or is not ready is read in ``pods``.
 - ``status_patch`` / ``not_ready``: the typed status as the merge patch the API takes;
   ``Ready=False`` for an invalid spec (``InvalidSpec``) or a child the API server refused
   (``ChildRefused``, with its message).
@@ -37,6 +37,7 @@ from typing import Any
 import kopf
 
 from specdecode.operator import names
+from specdecode.operator.pods import is_ready
 from specdecode.operator.render import build_shared, build_workloads
 from specdecode.operator.resolve import Resolved
 from specdecode.operator.rollout import set_condition
@@ -46,9 +47,6 @@ Obj = dict[str, Any]
 Key = tuple[str, str, str]  # apiVersion, kind, name
 INVALID_SPEC = "InvalidSpec"
 CHILD_REFUSED = "ChildRefused"
-# Containers whose non-zero exit is a refusal to serve: the runtime, and the fetch of an hf:// source.
-_OURS = (names.CONTAINER, names.FETCH_CONTAINER, names.FETCH_MTP_CONTAINER)
-MAX_REFUSAL_CHARS = 400  # of the termination message, in a condition message
 _SCALABLE = {"Deployment", "LeaderWorkerSet"}  # one object per revision, replicas = model replicas
 _WORKLOADS = {kind.value for kind in WorkloadKind}
 # Who wrote children before they were applied: earlier operator versions sent no fieldManager,
@@ -227,49 +225,9 @@ def scrape_targets(pods: Sequence[Obj]) -> Iterator[tuple[str, str]]:
     for pod in pods:
         status, meta = pod.get("status") or {}, pod["metadata"]
         ip, port = status.get("podIP"), _http_port(pod)
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        if ip and port and ready and not meta.get("deletionTimestamp"):
+        if ip and port and is_ready(pod) and not meta.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
             yield meta["name"], f"http://{host}:{port}/metrics"
-
-
-def runtime_refusal(pods: Sequence[Obj]) -> str | None:
-    """Why runtime pods will not start, or None: the termination message of the first (by name) of
-    our containers that exited non-zero and is not running again (terminated, or waiting to
-    restart: CrashLoopBackOff). The runtime writes one line; a log tail (terminationMessagePolicy
-    FallbackToLogsOnError) counts by its last line, where a traceback names the error."""
-    refusals = [line for pod in sorted(pods, key=lambda p: p["metadata"]["name"])
-                if not pod["metadata"].get("deletionTimestamp") and (line := _pod_refusal(pod))]
-    if not refusals:
-        return None
-    more = f" (and {len(refusals) - 1} more pods)" if len(refusals) > 1 else ""
-    return refusals[0] + more
-
-
-def _pod_refusal(pod: Obj) -> str | None:
-    status, meta = pod.get("status") or {}, pod["metadata"]
-    for container in [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]:
-        exited = _failed_exit(container)
-        if container.get("name") in _OURS and exited is not None:
-            revision = _labels(pod).get(names.LABEL_REVISION, "?")
-            return (f"pod {meta['name']} (revision {revision}): {container['name']} exited with code "
-                    f"{exited['exitCode']}: {_said(exited)}")
-    return None
-
-
-def _failed_exit(container: Obj) -> Obj | None:
-    """A container status' last termination, if it failed and the container is not running again."""
-    state = container.get("state") or {}
-    before = (container.get("lastState") or {}).get("terminated") if "waiting" in state else None
-    exited = state.get("terminated") or before
-    return exited if exited and exited.get("exitCode", 0) != 0 else None
-
-
-def _said(exited: Obj) -> str:
-    """The last line of a termination message (or its reason, e.g. OOMKilled), cut to fit a condition."""
-    lines = [line.strip() for line in (exited.get("message") or "").splitlines() if line.strip()]
-    said = lines[-1] if lines else exited.get("reason") or "no message"
-    return said if len(said) <= MAX_REFUSAL_CHARS else said[:MAX_REFUSAL_CHARS - 1] + "…"
 
 
 def _http_port(pod: Obj) -> int | None:

@@ -280,6 +280,14 @@ class PauseCause(str, Enum):
     INCONCLUSIVE = "InconclusiveAnalysis"  # inconclusiveLimit windows in a row without data
 
 
+class RetiringRevision(Shared):
+    """A revision on its way out (rolled back, aborted, replaced by a newer edit): it keeps serving,
+    shrinking only as the stable (and the new canary) regain the capacity it held."""
+
+    revision: str
+    replicas: int = Field(ge=0, description="replicas its workload is set to")
+
+
 class RolloutStatus(Shared):
     """Where a rollout stands, kept in status so that an operator restart resumes it. The revisions
     and the step index are ``stableRevision``, ``canaryRevision`` and ``canaryStep``."""
@@ -287,22 +295,44 @@ class RolloutStatus(Shared):
     phase: RolloutPhase = RolloutPhase.STABLE
     stable_replicas: int = Field(0, ge=0, description="replicas the stable workload is set to")
     canary_replicas: int = Field(0, ge=0, description="replicas the canary workload is set to")
-    step_requested_at: datetime | None = Field(
-        None, description="when scaling to the current step began; progressDeadline counts from it"
+    retiring: tuple[RetiringRevision, ...] = Field(
+        (), description="revisions being removed without dropping capacity: each shrinks only while the replicas "
+        "that replace it are ready"
+    )
+    canary_ready_replicas: int = Field(0, ge=0, description="ready canary replicas when last observed")
+    progress_at: datetime | None = Field(
+        None, description="the last progress: the step began, a canary replica turned ready, or the step was reached; "
+        "progressDeadline counts from it"
     )
     step_started_at: datetime | None = Field(
-        None, description="when the canary reached the current step's replicas; a passing window must start after it"
+        None, description="when the canary reached the current step's replicas"
+    )
+    analysis_since: datetime | None = Field(
+        None, description="when the current step's weight took effect (its replicas ready and, with trafficRouting, "
+        "the route holding its weight); analysis windows count only from then"
     )
     consecutive_failures: int = Field(0, ge=0, description="failed analyses in a row (failureLimit rolls back)")
     consecutive_inconclusive: int = Field(0, ge=0, description="windows without a verdict in a row (pause)")
     paused_by: PauseCause | None = None
     canary_weight: int | None = Field(
-        None, ge=0, le=100, description="percent of requests the HTTPRoute sends to the canary (trafficRouting only)"
+        None, ge=0, le=100, description="percent of requests the HTTPRoute sends to the canary Service (trafficRouting "
+        "only); during a restore, to the retiring revision it still selects"
     )
     rolled_back_revision: str | None = Field(
-        None, description="the revision last rolled back; not retried until the spec changes again"
+        None, description="the revision last rolled back; retried only by a spec change or the retry command"
     )
     message: str = Field("", description="the last analysis verdict, or why the rollout paused, rolled back or was promoted")
+
+
+class CommandRecord(Shared):
+    """The last value of each command annotation the operator handled: a value is obeyed once, so
+    an annotation re-applied (GitOps) or left in place does nothing more."""
+
+    promote: str | None = None
+    abort: str | None = None
+    pause: str | None = None
+    resume: str | None = None
+    retry: str | None = None
 
 
 class WorkloadKind(str, Enum):
@@ -332,6 +362,7 @@ class SpecDecodeDeploymentStatus(Shared):
     acceptance: MeasuredAcceptance | None = None
     warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
     rollout: RolloutStatus = RolloutStatus()
+    commands: CommandRecord = CommandRecord()
 
 
 

@@ -18,7 +18,9 @@ adds what a real API server does that kopf, the operator and these tests rely on
   rules (quantities, name formats, cross-field checks) are not;
 - Deployments, StatefulSets and LeaderWorkerSets are ready as soon as they are created or their
   spec changes (a stand-in for their controllers and the kubelet: no pods are made; tests create
-  the pods they need); a write that changes nothing leaves their status as it is;
+  the pods they need), except those named in ``loading``, whose added replicas stay unready until
+  a test reports them ready (a scale-down drops unready ones first); a write that changes nothing
+  leaves their status as it is;
 - ``labelSelector`` on lists and watches (equality, inequality, existence),
   ``GET /api/v1/namespaces[/name]`` and ``GET /apis/`` (kmock cannot route them), 409 on a stale
   ``metadata.resourceVersion`` in a patch;
@@ -185,6 +187,8 @@ class ApiServer(kmock.KubernetesEmulator):
         # a new CRD's last event before discovery lists its group, and kopf, which reads discovery
         # on that event only, then never watches the group
         self.hidden_from_kopf: set[str] = set()
+        # workloads (by name) whose new replicas load until a test patches their status ready
+        self.loading: set[str] = set()
         for key, (kind, namespaced, subresources) in BUILTINS.items():
             self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
                                                      subresources=subresources)
@@ -293,7 +297,7 @@ class ApiServer(kmock.KubernetesEmulator):
             body.pop("status", None)
         self._validate(request.resource, body)
         if request.resource in INSTANTLY_READY:
-            body["status"] = _ready(body)
+            body["status"] = self._controller_status(body, None)
 
     def _prepare_patch(self, request: kmock.Request) -> None:
         """Rewrite the patch into the one a real server would effectively apply."""
@@ -328,7 +332,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if changed := _essence(after) != _essence(current):
             meta["generation"] = current["metadata"].get("generation", 0) + 1
         if request.resource in INSTANTLY_READY and request.subresource is None and changed:
-            patch["status"] = _ready(merge_patch(current, patch))  # its controller's answer to a new generation
+            patch["status"] = self._controller_status(merge_patch(current, patch), current.get("status"))
         request.data.clear()
         request.data.update(patch)
 
@@ -349,6 +353,16 @@ class ApiServer(kmock.KubernetesEmulator):
         if _essence(after) != _essence(current):
             generation = current["metadata"].get("generation", 0) + 1
             ops.append({"op": "add", "path": "/metadata/generation", "value": generation})
+
+    def _controller_status(self, workload: Obj, before: Obj | None) -> Obj:
+        """Its controller's answer to a new generation: every replica ready, or for a workload in
+        ``loading`` only those that were ready before, as far as they are still wanted."""
+        if workload["metadata"].get("name") not in self.loading:
+            return _ready(workload)
+        n = workload.get("spec", {}).get("replicas", 1)
+        ready = min((before or {}).get("readyReplicas") or 0, n)
+        return {"observedGeneration": workload["metadata"].get("generation", 1), "replicas": n, "readyReplicas": ready,
+                "availableReplicas": ready, "updatedReplicas": n}
 
     def _next_version(self) -> str:
         self._version += 1

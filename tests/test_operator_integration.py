@@ -295,6 +295,7 @@ def test_an_httproute_moves_traffic_by_step_weight(cluster: Cluster, stand_ins: 
     # The route is patched before the status in one reconciliation: wait for both.
     wait_for(lambda: weights() == {"smollm2-ngram-stable": 50, "smollm2-ngram-canary": 50}
              and cluster.status("smollm2-ngram")["rollout"]["canaryWeight"] == 50, "half to the canary")
+    assert cluster.status("smollm2-ngram")["rollout"]["analysisSince"]  # windows count once the route took it
     assert (selects("smollm2-ngram-stable"), selects("smollm2-ngram-canary")) == (stable, canary)
 
     wait_for(lambda: cluster.status("smollm2-ngram").get("stableRevision") == canary, "the canary promoted")
@@ -362,6 +363,62 @@ def test_abort_annotation_rolls_back_by_hand(cluster: Cluster) -> None:
              "the one-shot annotation removed")
     wait_for(lambda: set(cluster.deployments("smollm2-ngram")) == {names.workload_name("smollm2-ngram", stable)},
              "only the stable Deployment left")
+
+
+def test_an_abort_at_the_full_step_keeps_the_canary_serving_until_the_stable_does(cluster: Cluster) -> None:
+    """At 100 % with maxSurge 0 the stable has no replica. Aborted, the canary gives its replicas
+    up one at a time, each once a stable replica is ready (maxUnavailable 1 of 2); the abort
+    annotation, valued with the canary's revision, stays and is obeyed once."""
+    stable = running_stable(cluster, rollout={"analysis": FAST_ANALYSIS, "steps": [{"weight": 100}]})
+    canary = start_canary(cluster)  # no canary pod: no verdict moves it on
+    wait_for(lambda: cluster.status("smollm2-ngram")["rollout"].get("stepStartedAt"), "the 100 % step reached")
+    stable_workload, canary_workload = (names.workload_name("smollm2-ngram", rev) for rev in (stable, canary))
+    assert cluster.deployments("smollm2-ngram")[stable_workload].spec.replicas == 0
+    assert cluster.server is not None
+    cluster.server.loading.add(stable_workload)  # the stable's replicas load until the test says so
+    cluster.patch("smollm2-ngram", {"metadata": {"annotations": {names.ANNOTATION_ABORT: canary}}})
+
+    def replicas() -> dict[str, tuple[int, int]]:
+        return {rev: (d.spec.replicas, d.status.ready_replicas or 0)
+                for rev, d in cluster.deployments("smollm2-ngram").items()}
+
+    wait_for(lambda: replicas() == {stable_workload: (1, 0), canary_workload: (1, 1)}, "one canary replica retired")
+    assert cluster.status("smollm2-ngram")["rollout"]["retiring"] == [{"revision": canary, "replicas": 1}]
+    assert cluster.condition("smollm2-ngram", "Progressing")["reason"] == "Restoring"
+    cluster.apps.patch_namespaced_deployment_status(stable_workload, NS, {"status": {"readyReplicas": 1}})
+    wait_for(lambda: replicas() == {stable_workload: (2, 1)}, "the canary's last replica gone once the stable serves")
+    cluster.server.loading.discard(stable_workload)
+    cluster.apps.patch_namespaced_deployment_status(stable_workload, NS, {"status": {"readyReplicas": 2}})
+    wait_for(lambda: cluster.condition("smollm2-ngram", "Progressing").get("reason") == "RolledBack", "restored")
+    body = cluster.get("smollm2-ngram")
+    assert body["metadata"]["annotations"][names.ANNOTATION_ABORT] == canary  # never removed
+    assert body["status"]["commands"]["abort"] == canary
+    assert [r for _, r, _ in cluster.events("smollm2-ngram")].count("RolledBack") == 1
+
+
+def test_a_canary_that_stops_serving_at_its_step_rolls_back_and_is_retried(cluster: Cluster) -> None:
+    """A canary whose pod crash-loops after its step was reached fails each analysis interval
+    (CanaryNotReady, with the pod's reason) and is rolled back; the retry annotation starts it
+    again."""
+    running_stable(cluster)
+    canary = start_canary(cluster)
+    wait_for(lambda: cluster.status("smollm2-ngram")["rollout"].get("stepStartedAt"), "step 1 reached")
+    cluster.apps.patch_namespaced_deployment_status(names.workload_name("smollm2-ngram", canary), NS,
+                                                    {"status": {"readyReplicas": 0}})
+    crashed = {"name": names.CONTAINER, "image": "stand-in", "imageID": "", "ready": False, "restartCount": 3,
+               "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "CUDA out of memory\n"}}}
+    cluster.runtime_pod("smollm2-ngram", canary, {"phase": "Running", "containerStatuses": [crashed]})
+
+    rolled_back = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "RolledBack")).get("status") == "True"
+                           and c, "RolledBack=True")
+    assert rolled_back["reason"] == "CanaryNotReady"
+    assert "0 of 1 canary replicas ready at step 1" in rolled_back["message"]
+    assert "CUDA out of memory" in rolled_back["message"]
+    cluster.patch("smollm2-ngram", {"metadata": {"annotations": {names.ANNOTATION_RETRY: "after-the-fix"}}})
+    wait_for(lambda: cluster.status("smollm2-ngram").get("canaryRevision") == canary, "the canary started again")
+    assert "RolloutRetried" in {r for _, r, _ in cluster.events("smollm2-ngram")}
+    assert cluster.status("smollm2-ngram")["commands"]["retry"] == "after-the-fix"
 
 
 def test_delete_leaves_cleanup_to_owner_references(cluster: Cluster) -> None:

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(300, func_only=True)]
 
 Obj = dict[str, Any]
 NEW_SPECULATIVE_TOKENS = 3  # the example runs 4: the spec change that starts each canary
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply, as Argo CD and Flux write
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -237,6 +238,41 @@ def test_the_pause_annotation_holds_the_step_until_removed(cluster: RealCluster,
     cluster.until(lambda: {"ManualPause", "Resumed", "Promoted"} <= set(reasons(cluster, "ro-pause")),
                   "the pause's, resume's and promotion's Events")
     cluster.settled("ro-pause")
+
+
+def test_a_command_re_applied_by_another_field_manager_does_nothing(cluster: RealCluster,
+                                                                    workloads: Workloads) -> None:
+    """GitOps keeps a command in Git: Argo CD applies the manifest server-side with an abort, the
+    operator obeys it once and leaves the annotation there; Flux (another field manager) applies
+    the same annotation again with the next edit, and again after: the new canary runs on."""
+    name = "ro-gitops"
+    running(cluster, workloads, name)
+    canary = change_spec(cluster, name)
+
+    def applied(tokens: int, manager: str) -> None:
+        manifest = example(name)
+        manifest["metadata"]["annotations"] = {names.ANNOTATION_ABORT: "change-4711"}
+        manifest["spec"]["speculative"]["numSpeculativeTokens"] = tokens
+        cluster.custom.patch_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, name, manifest,
+                                                      field_manager=manager, force=True, _content_type=APPLY_PATCH)
+
+    applied(NEW_SPECULATIVE_TOKENS, "argocd-controller")
+    cluster.until(lambda: cluster.condition(name, "RolledBack").get("reason") == "ManualAbort", "the abort obeyed")
+    cluster.until(lambda: cluster.status(name).get("commands", {}).get("abort") == "change-4711", "the value recorded")
+    assert cluster.status(name)["rollout"]["rolledBackRevision"] == canary
+    assert annotations(cluster, name)[names.ANNOTATION_ABORT] == "change-4711"  # left in place
+
+    applied(2, "kustomize-controller")  # the next edit, the abort still in the manifest
+    newer = cluster.until(lambda: (c := cluster.status(name).get("canaryRevision")) not in (None, canary) and c,
+                          "the next canary")
+    cluster.settled(name)
+    applied(2, "argocd-controller")  # and applied once more by the first manager
+    cluster.settled(name)
+    status = cluster.status(name)
+    assert (status["canaryRevision"], status["rollout"]["phase"]) == (newer, "Progressing")
+    assert reasons(cluster, name).count("RolledBack") == 1
+    assert annotations(cluster, name)[names.ANNOTATION_ABORT] == "change-4711"
+    delete(cluster, name)
 
 
 # -- an operator restart --------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from specdecode.operator.reconcile import (
     CHILD_REFUSED,
     INVALID_SPEC,
     LEGACY_MANAGERS,
-    MAX_REFUSAL_CHARS,
     Plan,
     applied_form,
     contains,
@@ -38,7 +37,6 @@ from specdecode.operator.reconcile import (
     plan,
     ready_replicas,
     running_kind,
-    runtime_refusal,
     scrape_targets,
     status_patch,
 )
@@ -315,58 +313,6 @@ def test_scrape_targets_are_ready_pods_at_their_http_port() -> None:
     pods = [pod("a"), pod("b", ip="fd00::1", port=9000), pod("loading", ready="False"), pod("no-ip", ip=None),
             pod("no-port", port=None), pod("leaving", deletionTimestamp="2026-01-01T00:00:00Z")]
     assert list(scrape_targets(pods)) == [("a", "http://10.0.0.1:8000/metrics"), ("b", "http://[fd00::1]:9000/metrics")]
-
-
-def runtime_pod(name: str, *containers: dict[str, Any], init: tuple[dict[str, Any], ...] = (),
-                **meta: Any) -> dict[str, Any]:
-    """A pod of revision rev1 with these container statuses."""
-    labels = {**names.runtime_pod_labels("demo"), names.LABEL_REVISION: "rev1"}
-    status = {"phase": "Running", "containerStatuses": list(containers), "initContainerStatuses": list(init)}
-    return {"metadata": {"name": name, "labels": labels, **meta}, "status": status}
-
-
-def crash_looping(message: str = "", name: str = names.CONTAINER, **terminated: Any) -> dict[str, Any]:
-    return {"name": name, "state": {"waiting": {"reason": "CrashLoopBackOff"}}, "restartCount": 3,
-            "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message, **terminated}}}
-
-
-REFUSED = "specdecode serve: cannot start: /mnt/models/qwen has no MTP layers (looked for mtp.*); set mtpPath"
-RUNNING = {"name": names.CONTAINER, "state": {"running": {}}, "ready": True}
-
-
-def test_a_runtime_refusal_is_its_termination_message() -> None:
-    assert runtime_refusal([runtime_pod("demo-rev1-a", crash_looping(REFUSED + "\n"))]) == (
-        f"pod demo-rev1-a (revision rev1): runtime exited with code 1: {REFUSED}")
-    stopped = {"name": names.CONTAINER, "state": {"terminated": {"exitCode": 2, "message": "invalid configuration"}}}
-    assert runtime_refusal([runtime_pod("p", stopped)]).endswith("runtime exited with code 2: invalid configuration")
-
-
-def test_healthy_starting_or_drained_pods_refuse_nothing() -> None:
-    recovered = {**RUNNING, "lastState": crash_looping(REFUSED)["lastState"]}  # crashed once, running now
-    creating = {"name": names.CONTAINER, "state": {"waiting": {"reason": "ContainerCreating"}}}
-    drained = {"name": names.CONTAINER, "state": {"terminated": {"exitCode": 0, "message": "drained"}}}
-    sidecar = crash_looping("proxy down", name="istio-proxy")
-    leaving = runtime_pod("old", crash_looping(REFUSED), deletionTimestamp="2026-01-01T00:00:00Z")
-    pods = [runtime_pod(n, c) for n, c in (("a", RUNNING), ("b", recovered), ("c", creating), ("d", drained))]
-    assert runtime_refusal([*pods, runtime_pod("e", RUNNING, sidecar), leaving, runtime_pod("f")]) is None
-    assert runtime_refusal([]) is None
-
-
-def test_a_log_tail_counts_by_its_last_line_and_long_messages_are_cut() -> None:
-    traceback = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: CUDA out of memory\n\n"
-    assert runtime_refusal([runtime_pod("p", crash_looping(traceback))]).endswith(": RuntimeError: CUDA out of memory")
-    oom = crash_looping(exitCode=137, reason="OOMKilled")
-    assert runtime_refusal([runtime_pod("p", oom)]).endswith("runtime exited with code 137: OOMKilled")
-    cut = runtime_refusal([runtime_pod("p", crash_looping("x" * 5000))])
-    assert cut.endswith("x…") and len(cut.split(": ", 1)[1]) < MAX_REFUSAL_CHARS + 40
-
-
-def test_a_failed_fetch_counts_and_the_first_pod_by_name_is_named() -> None:
-    fetch = crash_looping("huggingface_hub.errors.RepositoryNotFoundError: 404 org/heads", name=names.FETCH_MTP_CONTAINER)
-    waiting = {"name": names.CONTAINER, "state": {"waiting": {"reason": "PodInitializing"}}}
-    pods = [runtime_pod("demo-rev1-b", crash_looping(REFUSED)), runtime_pod("demo-rev1-a", waiting, init=(fetch,))]
-    assert runtime_refusal(pods) == ("pod demo-rev1-a (revision rev1): fetch-mtp exited with code 1: "
-                                     "huggingface_hub.errors.RepositoryNotFoundError: 404 org/heads (and 1 more pods)")
 
 
 # -- status ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """rollout: the canary state machine — steps, promotion, rollback, pause, commands, spec changes,
-replica arithmetic, and a rollout resumed from its serialized status after an operator restart."""
+capacity kept through rollbacks, aborts and edits, the replica arithmetic (capacity.py), and a
+rollout resumed from its serialized status after an operator restart."""
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -9,18 +10,16 @@ from specdecode.operator import names
 from specdecode.operator.analysis import History, Measurement, MetricSnapshot, Verdict, judge
 from specdecode.operator.render import revision
 from specdecode.operator.resolve import resolve
+from specdecode.operator.capacity import Replicas, max_surge, max_unavailable, next_move, step_replicas
 from specdecode.operator.rollout import (
     Command,
     EventType,
-    Replicas,
     Transition,
     advance,
-    max_surge,
-    max_unavailable,
-    next_move,
     read_commands,
     set_condition,
-    step_replicas,
+    route_canary,
+    weight_in_effect,
 )
 from specdecode.operator.spec import (
     ConditionStatus,
@@ -69,11 +68,16 @@ class Operator:
         self.ready: dict[str, int] = {}
         self.last: Transition | None = None
 
-    def tick(self, desired: str, verdict: Verdict | None = None, commands: frozenset[Command] = frozenset(),
-             ready: dict[str, int] | None = None, refusal: str | None = None) -> Transition:
+    def tick(self, desired: str, verdict: Verdict | None = None, commands: dict[Command, str] | None = None,
+             ready: dict[str, int] | None = None, refusal: str | None = None, analysed: bool | None = None,
+             not_ready: str | None = None) -> Transition:
+        """One reconciliation: an analysis interval's when given a verdict (or ``analysed``); the
+        route, if any, takes the weight asked for at once."""
         self.last = advance(self.status, desired, self.spec, now=self.now, ready=self.ready if ready is None else ready,
-                            verdict=verdict, commands=commands, refusal=refusal)
-        self.status, self.ready = self.last.status, dict(self.last.replicas)
+                            verdict=verdict, analysed=verdict is not None if analysed is None else analysed,
+                            commands=commands, refusal=refusal, not_ready=not_ready)
+        self.status = weight_in_effect(self.last.status, self.last.status.rollout.canary_weight, self.spec, self.now)
+        self.ready = dict(self.last.replicas)
         self.now += INTERVAL
         return self.last
 
@@ -168,18 +172,23 @@ def test_the_route_weight_follows_the_step_last_reached():
 def test_a_manual_promotion_keeps_the_route_weight_until_every_replica_is_ready():
     op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
     op.reach_first_step()
-    t = op.tick("rev2", commands=frozenset({Command.PROMOTE}))
+    t = op.tick("rev2", commands={Command.PROMOTE: "t1"})
     assert t.status.rollout.phase == RolloutPhase.PROMOTING and t.status.rollout.canary_weight == 50
     assert op.tick("rev2").status.rollout.canary_weight == 50
     t = op.tick("rev2")
     assert kinds(t) == ["Promoted"] and t.status.rollout.canary_weight == 0
 
 
-def test_a_rollback_takes_the_route_weight_back():
+def test_a_rollback_keeps_the_route_on_the_retiring_canary_while_it_serves():
     op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
     op.reach_first_step()
-    t = op.tick("rev2", commands=frozenset({Command.ABORT}))
-    assert t.status.rollout.phase == RolloutPhase.ROLLED_BACK and t.status.rollout.canary_weight == 0
+    t = op.tick("rev2", commands={Command.ABORT: "t1"})
+    assert t.status.rollout.phase == RolloutPhase.ROLLED_BACK and t.replicas == {"rev1": 3, "rev2": 1}
+    assert route_canary(t.status) == "rev2" and t.status.rollout.canary_weight == 33  # 1 of 3 ready serving
+    t = op.tick("rev2", ready={"rev1": 2, "rev2": 1})  # the stable's new replica still loading
+    assert t.replicas == {"rev1": 3, "rev2": 1} and t.status.rollout.canary_weight == 33
+    t = op.tick("rev2")
+    assert t.replicas == {"rev1": 4} and t.status.rollout.canary_weight == 0 and route_canary(t.status) is None
 
 
 def test_scaling_alone_is_not_a_new_revision():
@@ -217,7 +226,7 @@ def test_low_acceptance_rolls_back_after_failure_limit():
     assert condition(op.status, ConditionType.DEGRADED).reason == "AnalysisFailing"
     t = op.tick("rev2", verdict(op.spec, "rev2", POOR, reached, op.now))
     assert kinds(t) == ["RolledBack"] and t.events[0].type == EventType.WARNING
-    assert t.replicas == {"rev1": 4}  # canary workload deleted, stable back to every replica
+    assert t.replicas == {"rev1": 3, "rev2": 1}  # one canary replica goes for each stable one ready
     s = t.status
     assert (s.stable_revision, s.canary_revision, s.rollout.phase, s.rollout.rolled_back_revision) == (
         "rev1", None, RolloutPhase.ROLLED_BACK, "rev2")
@@ -225,6 +234,8 @@ def test_low_acceptance_rolls_back_after_failure_limit():
     assert (rolled_back.status, rolled_back.reason) == (ConditionStatus.TRUE, "AnalysisFailed")
     assert rolled_back.message == "3 failed analyses in a row: acceptance rate 0.31 < minAcceptanceRate 0.5"
     assert condition(s, ConditionType.DEGRADED).status == ConditionStatus.TRUE
+    assert condition(s, ConditionType.PROGRESSING).reason == "Restoring"
+    assert op.tick("rev2").replicas == {"rev1": 4}  # the canary workload deleted once the stable is whole
     # the same spec again: not retried, the condition keeps its time
     again = op.tick("rev2")
     assert again.replicas == {"rev1": 4} and again.events == () and again.status.canary_revision is None
@@ -247,7 +258,8 @@ def test_a_canary_that_never_becomes_ready_rolls_back_at_the_progress_deadline()
     assert kinds(t) == ["RolledBack"] and t.replicas == {"rev1": 4}
     rolled_back = condition(t.status, ConditionType.ROLLED_BACK)
     assert rolled_back.reason == "ProgressDeadlineExceeded"
-    assert rolled_back.message == "step 1 not reached within progressDeadline 10m: 0 of 2 canary replicas ready"
+    assert rolled_back.message == ("step 1 not reached within progressDeadline 10m without progress: "
+                                   "0 of 2 canary replicas ready")
 
 
 def test_the_progress_deadline_does_not_run_while_paused():
@@ -255,7 +267,7 @@ def test_the_progress_deadline_does_not_run_while_paused():
     op.tick("rev1")
     op.tick("rev2", ready={"rev1": 4, "rev2": 0})
     for _ in range(10):
-        t = op.tick("rev2", commands=frozenset({Command.PAUSE}), ready={"rev1": 3, "rev2": 0})
+        t = op.tick("rev2", commands={Command.PAUSE: "t1"}, ready={"rev1": 3, "rev2": 0})
         assert t.status.rollout.phase == RolloutPhase.PAUSED
     t = op.tick("rev2", ready={"rev1": 3, "rev2": 0})  # resumed: a fresh minute
     assert kinds(t) == ["Resumed"] and t.status.rollout.phase == RolloutPhase.PROGRESSING
@@ -286,35 +298,52 @@ def test_windows_without_data_pause_the_rollout():
     assert held.status.canary_step == 0 and held.status.rollout.phase == RolloutPhase.PAUSED
     assert held.replicas == {"rev1": 2, "rev2": 2}
     resumed_at = op.now
-    t = op.tick("rev2", commands=frozenset({Command.RESUME}))
+    t = op.tick("rev2", commands={Command.RESUME: "t1"})
     assert kinds(t) == ["Resumed", "StepReached"] and t.status.rollout.step_started_at == resumed_at
-    assert t.consumed_annotations == (names.ANNOTATION_RESUME,)
+    assert t.consumed_annotations == () and t.status.commands.resume == "t1"
 
 
 # -- commands -----------------------------------------------------------------------------------
 
 
-def test_resume_while_the_pause_annotation_is_set_removes_both():
+def test_resume_lifts_a_pause_whose_annotation_stays():
     op = Operator(make_spec())
     op.reach_first_step()
-    op.tick("rev2", commands=frozenset({Command.PAUSE}))
-    t = op.tick("rev2", commands=frozenset({Command.PAUSE, Command.RESUME}))
+    op.tick("rev2", commands={Command.PAUSE: "p1"})
+    t = op.tick("rev2", commands={Command.PAUSE: "p1", Command.RESUME: "r1"})
     assert kinds(t)[0] == "Resumed" and t.status.rollout.phase == RolloutPhase.PROGRESSING
+    assert t.consumed_annotations == () and (t.status.commands.pause, t.status.commands.resume) == ("p1", "r1")
+    again = op.tick("rev2", commands={Command.PAUSE: "p1", Command.RESUME: "r1"})  # GitOps applies both again
+    assert again.events == () and again.status.rollout.phase == RolloutPhase.PROGRESSING
+    t = op.tick("rev2", commands={Command.PAUSE: "p2", Command.RESUME: "r1"})  # a new value pauses again
+    assert kinds(t) == ["ManualPause"] and t.status.rollout.phase == RolloutPhase.PAUSED
+
+
+def test_the_legacy_true_value_acts_is_removed_and_warns():
+    op = Operator(make_spec())
+    op.reach_first_step()
+    t = op.tick("rev2", commands={Command.PAUSE: "true"})
+    assert kinds(t) == ["ManualPause", "DeprecatedCommand"] and t.consumed_annotations == ()  # held while present
+    assert op.tick("rev2", commands={Command.PAUSE: "true"}).events == ()
+    t = op.tick("rev2", commands={Command.PAUSE: "true", Command.RESUME: "true"})
+    assert kinds(t) == ["DeprecatedCommand", "DeprecatedCommand", "Resumed", "StepReached"]
     assert t.consumed_annotations == (names.ANNOTATION_PAUSE, names.ANNOTATION_RESUME)
+    assert t.status.commands.pause is None and t.status.commands.resume is None  # "true" is never recorded
 
 
 def test_commands_are_read_from_annotations():
-    annotations = {names.ANNOTATION_PROMOTE: "true", names.ANNOTATION_PAUSE: "True", names.ANNOTATION_ABORT: "false"}
-    assert read_commands(annotations) == {Command.PROMOTE, Command.PAUSE}
-    assert read_commands(None) == frozenset()
+    annotations = {names.ANNOTATION_PROMOTE: " 4f2a9c1e7b ", names.ANNOTATION_PAUSE: "True",
+                   names.ANNOTATION_ABORT: "", "example.com/other": "x"}
+    assert read_commands(annotations) == {Command.PROMOTE: "4f2a9c1e7b", Command.PAUSE: "True"}
+    assert read_commands(None) == {}
 
 
 def test_manual_promote_skips_analysis_and_waits_for_replicas():
     op = Operator(make_spec())
     op.tick("rev1")
     op.tick("rev2")
-    t = op.tick("rev2", commands=frozenset({Command.PROMOTE}), ready={"rev1": 3, "rev2": 0})
-    assert kinds(t) == ["Promoting"] and t.consumed_annotations == (names.ANNOTATION_PROMOTE,)
+    t = op.tick("rev2", commands={Command.PROMOTE: "t1"}, ready={"rev1": 3, "rev2": 0})
+    assert kinds(t) == ["Promoting"] and t.consumed_annotations == () and t.status.commands.promote == "t1"
     assert (t.status.rollout.phase, t.status.canary_step) == (RolloutPhase.PROMOTING, 1)
     assert t.replicas == {"rev1": 3, "rev2": 1}
     assert op.tick("rev2", verdict(op.spec, "rev2", POOR, T0, op.now), ready={"rev1": 3, "rev2": 1}
@@ -328,18 +357,20 @@ def test_manual_promote_skips_analysis_and_waits_for_replicas():
 def test_manual_abort_rolls_back_now():
     op = Operator(make_spec())
     op.reach_first_step()
-    t = op.tick("rev2", commands=frozenset({Command.ABORT, Command.PROMOTE}))  # abort wins
-    assert kinds(t) == ["RolledBack"] and t.replicas == {"rev1": 4}
+    t = op.tick("rev2", commands={Command.ABORT: "rev2", Command.PROMOTE: "rev2"})  # abort wins
+    assert kinds(t) == ["RolledBack"] and t.replicas == {"rev1": 3, "rev2": 1}
     assert condition(t.status, ConditionType.ROLLED_BACK).reason == "ManualAbort"
-    assert t.consumed_annotations == (names.ANNOTATION_PROMOTE, names.ANNOTATION_ABORT)
-    ignored = op.tick("rev2", commands=frozenset({Command.ABORT}))
-    assert kinds(ignored) == ["CommandIgnored"] and ignored.consumed_annotations == (names.ANNOTATION_ABORT,)
+    assert t.consumed_annotations == () and (t.status.commands.abort, t.status.commands.promote) == ("rev2", "rev2")
+    assert op.tick("rev2", commands={Command.ABORT: "rev2", Command.PROMOTE: "rev2"}).events == ()  # re-applied
+    ignored = op.tick("rev2", commands={Command.ABORT: "t2"})
+    assert kinds(ignored) == ["CommandIgnored"] and "no rollout in progress" in ignored.events[0].message
+    assert ignored.status.commands.abort == "t2"
 
 
 def test_pause_holds_the_step_until_the_annotation_goes():
     op = Operator(make_spec())
     reached = op.reach_first_step()
-    pause = frozenset({Command.PAUSE})
+    pause = {Command.PAUSE: "t1"}
     t = op.tick("rev2", commands=pause)
     assert kinds(t) == ["ManualPause"] and t.status.rollout.paused_by == PauseCause.MANUAL
     assert t.consumed_annotations == ()  # pause is held by its annotation
@@ -366,16 +397,22 @@ def test_a_spec_change_mid_rollout_restarts_with_the_newer_revision():
     reached = op.reach_first_step()
     op.now = reached + WINDOW
     op.tick("rev2", op.passing("rev2", reached))
-    op.tick("rev2")  # rev1 1, rev2 3
+    op.tick("rev2")  # rev1 0, rev2 4
     t = op.tick("rev3")
     assert kinds(t) == ["RolloutRestarted"]
-    assert t.replicas == {"rev1": 2, "rev3": 2}  # rev2's workload goes; rev1 back to the step-1 share
+    # rev2 retires: it gives up a replica for each one of rev1's that is ready, then rev3 starts
+    assert t.replicas == {"rev1": 1, "rev3": 0, "rev2": 3}
     s = t.status
     assert (s.canary_revision, s.canary_step, s.rollout.step_started_at, s.rollout.consecutive_failures) == (
         "rev3", 0, None, 0)
-    t = op.tick("rev1")  # back to the stable spec: the canary is cancelled
-    assert kinds(t) == ["RolloutCancelled"] and t.replicas == {"rev1": 4}
+    assert [(old.revision, old.replicas) for old in s.rollout.retiring] == [("rev2", 3)]
+    assert op.tick("rev3").replicas == {"rev1": 2, "rev3": 0, "rev2": 2}
+    assert op.tick("rev3").replicas == {"rev1": 2, "rev3": 1, "rev2": 1}
+    t = op.tick("rev1")  # back to the stable spec: the canary is cancelled and retires too; the oldest goes first
+    assert kinds(t) == ["RolloutCancelled"] and t.replicas == {"rev1": 3, "rev3": 1}
+    assert [(old.revision, old.replicas) for old in t.status.rollout.retiring] == [("rev3", 1)]
     assert (t.status.canary_revision, t.status.rollout.phase) == (None, RolloutPhase.STABLE)
+    assert op.tick("rev1").replicas == {"rev1": 4}
 
 
 # -- an operator restart ------------------------------------------------------------------------
@@ -435,17 +472,39 @@ def test_unavailable_percentages_round_down_but_never_freeze():
             max_unavailable(make_spec(10, maxSurge="25%", maxUnavailable="5%"))) == (3, 0)
 
 
+def _move(spec: SpecDecodeDeploymentSpec, current: tuple[int, ...], target: tuple[int, ...], ready: tuple[int, ...],
+          *, retiring: bool = False) -> tuple[int, ...]:
+    """next_move over revisions a (stable), b (canary), c (retired), as tuples."""
+    revs = "abc"[:len(current)]
+    move = next_move(spec, dict(zip(revs, current)), dict(zip(revs, target)), dict(zip(revs, ready)), retiring=retiring)
+    return tuple(move[rev] for rev in revs)
+
+
 def test_moves_with_and_without_surge():
     no_surge, surge = make_spec(4, maxSurge=0, maxUnavailable=1), make_spec(4, maxSurge=1, maxUnavailable=0)
-    target = step_replicas(no_surge, 50)
-    assert next_move(no_surge, Replicas(4, 0), target, Replicas(4, 0)) == Replicas(3, 1)
-    assert next_move(no_surge, Replicas(3, 1), target, Replicas(3, 0)) == Replicas(3, 1)  # canary not ready yet
-    assert next_move(no_surge, Replicas(3, 1), target, Replicas(3, 1)) == Replicas(2, 2)
-    assert next_move(no_surge, Replicas(4, 0), target, Replicas(2, 0)) == Replicas(2, 2)  # unready stable may go
-    target = step_replicas(surge, 50)
-    assert next_move(surge, Replicas(4, 0), target, Replicas(4, 0)) == Replicas(4, 1)  # total 5 = 4 + maxSurge
-    assert next_move(surge, Replicas(4, 1), target, Replicas(4, 1)) == Replicas(3, 2)
-    assert next_move(surge, Replicas(0, 0), target, Replicas(0, 0)) == Replicas(3, 2)  # restoring: all at once
+    target = (2, 2)
+    assert _move(no_surge, (4, 0), target, (4, 0)) == (3, 1)
+    assert _move(no_surge, (3, 1), target, (3, 0)) == (3, 1)  # canary not ready yet
+    assert _move(no_surge, (3, 1), target, (3, 1)) == (2, 2)
+    assert _move(no_surge, (4, 0), target, (2, 0)) == (2, 2)  # unready stable may go
+    target = (3, 2)
+    assert _move(surge, (4, 0), target, (4, 0)) == (4, 1)  # total 5 = 4 + maxSurge
+    assert _move(surge, (4, 1), target, (4, 1)) == (3, 2)
+    assert _move(surge, (0, 0), target, (0, 0)) == (3, 2)  # restoring: all at once
+
+
+def test_a_retired_revision_shrinks_only_as_its_replacements_turn_ready():
+    no_surge, surge = make_spec(4, maxSurge=0, maxUnavailable=1), make_spec(4, maxSurge=1, maxUnavailable=1)
+    # rolled back at 100 % without a surge: one replica at a time, replicas − maxUnavailable kept ready
+    assert _move(no_surge, (0, 0, 4), (4, 0, 0), (0, 0, 4), retiring=True) == (1, 0, 3)
+    assert _move(no_surge, (1, 0, 3), (4, 0, 0), (0, 0, 3), retiring=True) == (1, 0, 3)  # stable still loading
+    assert _move(no_surge, (1, 0, 3), (4, 0, 0), (1, 0, 3), retiring=True) == (2, 0, 2)
+    assert _move(no_surge, (1, 0, 3), (4, 0, 0), (0, 0, 1), retiring=True) == (3, 0, 1)  # unready ones go at once
+    # with a surge the floor is every replica: the stable grows first, the retired goes once it is ready
+    assert _move(surge, (1, 0, 4), (4, 0, 0), (1, 0, 4), retiring=True) == (2, 0, 3)
+    assert _move(surge, (2, 0, 3), (4, 0, 0), (1, 0, 3), retiring=True) == (2, 0, 3)
+    # an edit: the stable regains its share before the new canary grows
+    assert _move(no_surge, (2, 0, 2), (2, 2, 0), (2, 0, 2), retiring=True) == (2, 1, 1)
 
 
 def test_set_condition_keeps_the_transition_time_while_the_status_holds():
@@ -472,3 +531,116 @@ def test_verdict_results_reach_status_message():
     reached = op.reach_first_step()
     t = op.tick("rev2", verdict(op.spec, "rev2", POOR, reached, op.now))
     assert t.status.rollout.message == "Fail: acceptance rate 0.31 < minAcceptanceRate 0.5"
+
+
+
+# -- a canary not ready, the deadline, when windows count ---------------------------------------
+
+
+def test_a_canary_not_ready_at_its_step_fails_its_windows():
+    op = Operator(make_spec())
+    op.reach_first_step()
+    why = "pod demo-rev2-x: container runtime waiting: CrashLoopBackOff: back-off 5m0s restarting failed container"
+    crashed = {"rev1": 2, "rev2": 1}
+    t = op.tick("rev2", op.passing("rev2", T0), ready=crashed, not_ready=why)  # the ready pod's window passes
+    assert kinds(t) == ["CanaryNotReady"] and t.events[0].type == EventType.WARNING
+    assert t.events[0].message == f"1/3: 1 of 2 canary replicas ready at step 1: {why}"
+    assert condition(t.status, ConditionType.DEGRADED).reason == "AnalysisFailing"
+    assert op.tick("rev2", ready=crashed).events == ()  # between analyses nothing is judged
+    op.tick("rev2", ready=crashed, analysed=True, not_ready=why)  # no verdict: no ready pod answered
+    t = op.tick("rev2", ready=crashed, analysed=True, not_ready=why)
+    assert kinds(t) == ["RolledBack"]
+    rolled_back = condition(t.status, ConditionType.ROLLED_BACK)
+    assert rolled_back.reason == "CanaryNotReady" and why in rolled_back.message
+
+
+def test_the_progress_deadline_is_time_without_progress():
+    """8 replicas, each canary replica loading for 9 minutes, one at a time (maxUnavailable 1):
+    the step takes 36 minutes, past a 30-minute deadline, but never 30 minutes without a replica
+    turning ready."""
+    op = Operator(make_spec(8, progressDeadline="30m"))
+    op.tick("rev1")
+    added: list[datetime] = []  # when each canary replica was set
+    for _ in range(120):
+        loaded = sum(1 for at in added if op.now - at >= timedelta(minutes=9))
+        t = op.tick("rev2", ready={"rev1": op.ready.get("rev1", 8), "rev2": loaded})
+        assert "RolledBack" not in kinds(t)
+        added += [op.now - INTERVAL] * (t.replicas["rev2"] - len(added))
+        if "StepReached" in kinds(t):
+            break
+    assert t.status.rollout.step_started_at - T0 > timedelta(minutes=35)
+
+
+def test_windows_count_only_once_the_route_holds_the_step_weight():
+    op = Operator(make_spec(trafficRouting={"httpRoute": "gateway"}))
+    op.tick("rev1")
+    op.tick("rev2")
+    op.tick("rev2")
+    reached = op.now
+    t = advance(op.status, "rev2", op.spec, now=reached, ready={"rev1": 2, "rev2": 2})  # the route patch conflicts
+    assert kinds(t) == ["StepReached"] and t.status.rollout.canary_weight == 50
+    assert t.status.rollout.analysis_since is None
+    idle = verdict(op.spec, "rev2", MetricSnapshot(), reached, reached + WINDOW)  # weight 0: no requests yet
+    for minute in range(1, 6):
+        t = advance(t.status, "rev2", op.spec, now=reached + timedelta(minutes=minute), ready={"rev1": 2, "rev2": 2},
+                    verdict=idle, analysed=True)
+    assert t.status.rollout.phase == RolloutPhase.PROGRESSING and t.status.rollout.consecutive_inconclusive == 0
+    carried = reached + timedelta(minutes=6)
+    status = weight_in_effect(t.status, 50, op.spec, carried)  # the patch went through
+    assert status.rollout.analysis_since == carried
+    early = verdict(op.spec, "rev2", HEALTHY, reached, carried + WINDOW)  # began before the weight: no step
+    t = advance(status, "rev2", op.spec, now=carried + WINDOW, ready={"rev1": 2, "rev2": 2}, verdict=early,
+                analysed=True)
+    assert t.status.canary_step == 0
+    whole = verdict(op.spec, "rev2", HEALTHY, carried, carried + WINDOW)
+    t = advance(t.status, "rev2", op.spec, now=carried + WINDOW, ready={"rev1": 2, "rev2": 2}, verdict=whole,
+                analysed=True)
+    assert kinds(t)[0] == "StepPassed"
+
+
+# -- commands by value ---------------------------------------------------------------------------
+
+
+def test_a_command_naming_another_revision_is_ignored():
+    op = Operator(make_spec())
+    op.tick("rev1")
+    op.tick("4f2a9c1e7b")
+    t = op.tick("4f2a9c1e7b", commands={Command.ABORT: "0123456789"})
+    assert kinds(t) == ["CommandIgnored"] and "names revision 0123456789, the canary is 4f2a9c1e7b" in t.events[0].message
+    assert t.status.rollout.phase == RolloutPhase.PROGRESSING and t.status.commands.abort == "0123456789"
+    t = op.tick("4f2a9c1e7b", commands={Command.ABORT: "4f2a9c1e7b"})
+    assert kinds(t) == ["RolledBack"]
+
+
+def test_a_pause_set_before_an_edit_holds_the_new_rollout():
+    op = Operator(make_spec())
+    op.tick("rev1", commands={Command.PAUSE: "hold"})
+    assert op.status.commands.pause is None  # nothing to hold yet: it waits
+    t = op.tick("rev2", commands={Command.PAUSE: "hold"})
+    assert kinds(t) == ["RolloutStarted", "ManualPause"] and t.status.commands.pause == "hold"
+    t = op.tick("rev2", commands={Command.PAUSE: "hold", Command.RESUME: "go"})
+    assert kinds(t)[0] == "Resumed"
+    given = {Command.PAUSE: "hold", Command.RESUME: "go", Command.PROMOTE: "ship"}  # as GitOps keeps them
+    while op.status.canary_revision is not None:
+        op.tick("rev2", commands=given)
+    t = op.tick("rev3", commands=given)  # the next rollout: every value was handled
+    assert kinds(t) == ["RolloutStarted"] and t.status.rollout.phase == RolloutPhase.PROGRESSING
+
+
+def test_retry_starts_the_rolled_back_canary_again_once_per_value():
+    op = Operator(make_spec())
+    op.reach_first_step()
+    t = op.tick("rev2", commands={Command.RETRY: "r0"})
+    assert kinds(t) == ["CommandIgnored"] and "no rolled-back revision" in t.events[0].message
+    t = op.tick("rev2", commands={Command.ABORT: "a1"})
+    assert t.replicas == {"rev1": 3, "rev2": 1}  # rev2 retiring
+    t = op.tick("rev2", commands={Command.ABORT: "a1", Command.RETRY: "0123456789"}, ready={"rev1": 2, "rev2": 1})
+    assert kinds(t) == ["CommandIgnored"] and "the rolled-back one is rev2" in t.events[0].message
+    assert t.replicas == {"rev1": 3, "rev2": 1}  # the stable's third replica still loading: rev2 stays
+    t = op.tick("rev2", commands={Command.ABORT: "a1", Command.RETRY: "r1"}, ready={"rev1": 2, "rev2": 1})
+    assert kinds(t) == ["RolloutRetried"] and t.status.commands.retry == "r1"
+    s = t.status
+    assert (s.canary_revision, s.canary_step, s.rollout.phase, s.rollout.retiring) == ("rev2", 0, RolloutPhase.PROGRESSING, ())
+    assert t.replicas == {"rev1": 2, "rev2": 2}  # its retiring replica is the canary's again, and one more
+    t = op.tick("rev2", commands={Command.ABORT: "a1", Command.RETRY: "r1"})  # both re-applied: nothing happens
+    assert t.status.rollout.phase == RolloutPhase.PROGRESSING and "RolledBack" not in kinds(t)
