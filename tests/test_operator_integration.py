@@ -9,6 +9,7 @@ over a two-second window, so a whole rollout takes a few seconds.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from operator_harness import (
 from specdecode.operator import metrics, names
 from specdecode.operator.crd import build_crd
 from specdecode.operator.handlers import interval_passed
+from specdecode.operator.render import revision
+from specdecode.operator.resolve import resolve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -419,6 +422,45 @@ def test_a_canary_that_stops_serving_at_its_step_rolls_back_and_is_retried(clust
     wait_for(lambda: cluster.status("smollm2-ngram").get("canaryRevision") == canary, "the canary started again")
     assert "RolloutRetried" in {r for _, r, _ in cluster.events("smollm2-ngram")}
     assert cluster.status("smollm2-ngram")["commands"]["retry"] == "after-the-fix"
+
+
+def test_the_progress_deadline_is_time_without_progress(cluster: Cluster) -> None:
+    """Three canary replicas loading one after another take longer than progressDeadline (5 s),
+    but each turns ready well within it: the step is reached. A replica that never loads rolls
+    the next rollout back once the deadline passes without progress."""
+    rollout = {"analysis": FAST_ANALYSIS, "steps": [{"weight": 100}], "progressDeadline": "5s"}
+    running_stable(cluster, replicas=3, rollout=rollout)
+    assert cluster.server is not None
+
+    def canary_loading(tokens: int) -> str:
+        """Start a canary (``tokens`` speculative tokens) whose replicas load until reported ready."""
+        body = cluster.get("smollm2-ngram")
+        body["spec"]["speculative"]["numSpeculativeTokens"] = tokens
+        canary = revision(resolve(body).resolved)
+        cluster.server.loading.add(names.workload_name("smollm2-ngram", canary))
+        cluster.patch("smollm2-ngram", {"spec": {"speculative": {"numSpeculativeTokens": tokens}}})
+        return canary
+
+    canary = canary_loading(3)
+    workload = names.workload_name("smollm2-ngram", canary)
+
+    def canary_replicas() -> int:
+        found = cluster.deployments("smollm2-ngram").get(workload)
+        return found.spec.replicas if found else 0
+
+    started = time.monotonic()
+    for n in range(1, 4):
+        wait_for(lambda: canary_replicas() >= n, f"canary replica {n} set")
+        time.sleep(2)  # its model loads
+        cluster.apps.patch_namespaced_deployment_status(workload, NS, {"status": {"readyReplicas": n}})
+    wait_for(lambda: cluster.status("smollm2-ngram")["rollout"].get("stepStartedAt"), "the 100 % step reached")
+    assert time.monotonic() - started > 5 and cluster.condition("smollm2-ngram", "RolledBack").get("status") != "True"
+
+    stuck = canary_loading(2)  # the next canary's first replica never loads
+    rolled_back = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "RolledBack")).get("status") == "True"
+                           and c, "rolled back at the deadline", timeout=60)
+    assert rolled_back["reason"] == "ProgressDeadlineExceeded" and "without progress" in rolled_back["message"]
+    assert cluster.status("smollm2-ngram")["rollout"]["rolledBackRevision"] == stuck
 
 
 def test_delete_leaves_cleanup_to_owner_references(cluster: Cluster) -> None:
