@@ -1,8 +1,8 @@
 """controller: one reconciliation of a SpecDecodeDeployment, and the operator's configuration.
 
-``reconcile`` reads the resource, its children and its runtime pods, asks the pure cores what
-should be (``resolve`` → ``render.revision`` → ``rollout.advance`` → ``reconcile.plan``), then
-writes the children, the status, Events and metrics. Every trigger runs it: the resource's
+``reconcile`` reads the resource and runs ``loop.converge`` over the cluster (``KubeBackend``: its
+children through ``reconcile.plan``, its runtime pods, the user's HTTPRoute), then records the
+operator's metrics. Every trigger runs it: the resource's
 create/update/resume (spec changes and command annotations), an event on one of its workloads
 (readiness) or runtime pods (a refusal to start, in their termination message), and
 the analysis daemon every ``analysis.interval`` while a canary exists (``analyze=True`` adds a
@@ -24,29 +24,21 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import kopf
 
 from specdecode.operator import kube, names
-from specdecode.operator.analysis import (
-    History,
-    Measurement,
-    Verdict,
-    judge,
-    measurement_from_prometheus,
-    parse_metrics,
-    prometheus_queries,
-    without_data,
-)
+from specdecode.operator.analysis import History, Verdict
+from specdecode.operator.loop import Observed, Outcome, converge
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
-    CHILD_REFUSED,
     INVALID_SPEC,
+    Obj,
     Plan,
     desired_kind,
     is_not_ready,
@@ -60,11 +52,9 @@ from specdecode.operator.reconcile import (
 )
 from specdecode.operator.render import revision, serving_selector
 from specdecode.operator.resolve import Resolved, duration_seconds, resolve
-from specdecode.operator.pods import not_ready_reason, runtime_refusal
-from specdecode.operator.rollout import Event, EventType, advance, read_commands, route_canary, weight_in_effect
+from specdecode.operator.rollout import Event, EventType, Transition, route_canary
 from specdecode.operator.spec import Analysis, RolloutPhase, SpecDecodeDeploymentStatus, WorkloadKind
 from specdecode.operator.traffic import RouteError, route_patch
-from specdecode.runtime.config import SpeculativeMethod
 
 KOPF_PREFIX = f"kopf.{names.GROUP}"  # kopf's own annotations; ours (commands) stay in names.GROUP
 ENV_WEBHOOK_PORT = "SPECDECODE_WEBHOOK_PORT"
@@ -74,7 +64,6 @@ ENV_KUBECONFIG = "KUBECONFIG"
 ENV_POD_ID = "POD_ID"  # kopf's: this replica's identity among its peers (the chart: the pod's name)
 ENV_PEERING_LIFETIME = "SPECDECODE_PEERING_LIFETIME_SECONDS"
 DEFAULT_METRICS_PORT = 8081
-SCRAPE_TIMEOUT_SECONDS = 5.0
 TOP_PEERING_PRIORITY = 100  # of ordinal 0; below kopf's --dev (666), so that a developer's operator takes over
 # What the operator watches besides its resource, asked of the API server by label (kopf's
 # ``settings.watching.label_selectors``): its workloads and its runtime pods, nothing else in the cluster.
@@ -165,12 +154,14 @@ class Memory:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def history(self, namespace: str, name: str, revision_: str) -> History:
-        kept = self._histories.get((namespace, name))
-        return kept if kept is not None and kept.revision == revision_ else History(revision_)
+    def history(self, namespace: str, name: str) -> History | None:
+        return self._histories.get((namespace, name))
 
-    def keep(self, namespace: str, name: str, history: History) -> None:
-        self._histories[namespace, name] = history
+    def keep(self, namespace: str, name: str, history: History | None) -> None:
+        if history is None:
+            self._histories.pop((namespace, name), None)
+        else:
+            self._histories[namespace, name] = history
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
@@ -242,42 +233,70 @@ def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentS
 
 def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDecodeDeploymentStatus,
               now: datetime, logger: logging.Logger, *, analyze: bool) -> None:
-    cluster, meta = ctx.cluster, body["metadata"]
-    existing = cluster.children(r.namespace, r.name)
-    running = running_kind(status, existing)
-    kind, kind_warnings = desired_kind(r, running, (meta.get("annotations") or {}).get(names.ANNOTATION_WORKLOAD_KIND),
-                                       lambda: cluster.serves(kube.LEADER_WORKER_SET.api_version))
-    lws = kind is WorkloadKind.LEADER_WORKER_SET
-    pods = cluster.pods(r.namespace, names.runtime_pod_labels(r.name))
-    verdict = _analyse(ctx, r, status, now, logger, lws=lws) if analyze else None
-    desired = revision(r, leader_worker_set=lws)
-    t = advance(status, desired, r.spec, now=now, ready=ready_replicas(existing, r.layout.pods_per_group),
-                verdict=verdict, analysed=analyze, commands=read_commands(meta.get("annotations")),
-                refusal=runtime_refusal(pods),
-                not_ready=not_ready_reason(pods, status.canary_revision) if status.canary_revision else None)
-    stable_kind = kind if t.status.stable_revision == desired else running or kind
-    changes = plan(r, desired, t.replicas, existing, owner=body, stable=t.status.stable_revision,
-                   canary=route_canary(t.status), kind=kind, stable_kind=stable_kind)
-    warnings, refused = _apply(cluster, changes)
-    weight = t.status.rollout.canary_weight
-    route_warnings, carried = _route(cluster, r, weight, logger)
-    warnings += route_warnings
-    settled = weight_in_effect(t.status, weight, r.spec, now) if carried else t.status
-    new = settled.model_copy(update={
-        "observed_generation": meta.get("generation"), "warnings": (*r.warnings, *kind_warnings, *warnings),
-        "selector": names.label_selector(serving_selector(r, leader_worker_set=stable_kind is WorkloadKind.LEADER_WORKER_SET)),
-        "layout": r.layout.notation, "workload_kind": stable_kind})
-    events = list(t.events)
-    if refused:
-        message = "; ".join(refused)
-        if not is_not_ready(status, CHILD_REFUSED, message):
-            events.append(Event(EventType.WARNING, CHILD_REFUSED, message))
-        new = not_ready(new, CHILD_REFUSED, message, now, before=status)
-    if new != status:
-        cluster.patch_status(r.namespace, r.name, status_patch(new))
-    cluster.remove_annotations(r.namespace, r.name, t.consumed_annotations)
-    kube.post_events(body, events)
-    _record(ctx.metrics, r, status, new, verdict)
+    meta = body["metadata"]
+    history = ctx.memory.history(r.namespace, r.name)
+    done = converge(KubeBackend(ctx.cluster, body, logger), r, status, annotations=meta.get("annotations"),
+                    generation=meta.get("generation"), now=now, history=history, logger=logger, analyze=analyze)
+    ctx.memory.keep(r.namespace, r.name, done.history)
+    _record(ctx.metrics, r, status, done.status, done.verdict)
+
+
+@dataclass(frozen=True)
+class KubeObserved(Observed):
+    existing: Sequence[Obj] = ()  # the resource's children
+    kind: WorkloadKind = WorkloadKind.DEPLOYMENT  # what the desired revision runs as
+    running: WorkloadKind | None = None  # what the stable revision runs as
+    kind_warnings: tuple[str, ...] = ()
+
+
+@dataclass
+class KubeBackend:
+    """The cluster as ``loop.converge`` sees it: children applied, scaled and deleted through
+    ``reconcile.plan``, runtime pods, canary pods' ``/metrics``, the user's HTTPRoute, the
+    resource's status, annotations and Events."""
+
+    cluster: kube.Cluster
+    body: Mapping[str, Any]
+    logger: logging.Logger
+
+    def observe(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> KubeObserved:
+        cluster, meta = self.cluster, self.body["metadata"]
+        existing = cluster.children(r.namespace, r.name)
+        running = running_kind(status, existing)
+        kind, warnings = desired_kind(r, running, (meta.get("annotations") or {}).get(names.ANNOTATION_WORKLOAD_KIND),
+                                      lambda: cluster.serves(kube.LEADER_WORKER_SET.api_version))
+        return KubeObserved(revision=revision(r, leader_worker_set=kind is WorkloadKind.LEADER_WORKER_SET),
+                            ready=ready_replicas(existing, r.layout.pods_per_group),
+                            pods=cluster.pods(r.namespace, names.runtime_pod_labels(r.name)),
+                            existing=existing, kind=kind, running=running, kind_warnings=tuple(warnings))
+
+    def carry_out(self, r: Resolved, observed: KubeObserved, t: Transition) -> Outcome:
+        kind = observed.kind
+        stable_kind = kind if t.status.stable_revision == observed.revision else observed.running or kind
+        changes = plan(r, observed.revision, t.replicas, observed.existing, owner=self.body,
+                       stable=t.status.stable_revision, canary=route_canary(t.status), kind=kind,
+                       stable_kind=stable_kind)
+        warnings, refused = _apply(self.cluster, changes)
+        route_warnings, carried = _route(self.cluster, r, t.status.rollout.canary_weight, self.logger)
+        lws = stable_kind is WorkloadKind.LEADER_WORKER_SET
+        return Outcome(warnings=(*observed.kind_warnings, *warnings, *route_warnings), refused=tuple(refused),
+                       weight_carried=carried,
+                       status={"selector": names.label_selector(serving_selector(r, leader_worker_set=lws)),
+                               "layout": r.layout.notation, "workload_kind": stable_kind})
+
+    def scrape_targets(self, r: Resolved, observed: KubeObserved, revision_: str) -> list[tuple[str, str]]:
+        lws = observed.kind is WorkloadKind.LEADER_WORKER_SET
+        selector = {**serving_selector(r, leader_worker_set=lws), names.LABEL_REVISION: revision_}
+        return list(scrape_targets(self.cluster.pods(r.namespace, selector)))
+
+    def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None:
+        self.cluster.patch_status(r.namespace, r.name, status_patch(status))
+
+    def post_events(self, r: Resolved, events: Sequence[Event]) -> None:
+        kube.post_events(self.body, events)
+
+    def remove_annotations(self, r: Resolved, keys: Sequence[str]) -> None:
+        self.cluster.remove_annotations(r.namespace, r.name, keys)
 
 
 def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[str]]:
@@ -338,49 +357,3 @@ def _record(metrics: OperatorMetrics, r: Resolved, before: SpecDecodeDeploymentS
     if after.rollout.phase == rolled_back and before.rollout.phase != rolled_back:
         metrics.rolled_back(r.namespace, r.name)
     metrics.observe(r.namespace, r.name, after)
-
-
-# -- analysis -----------------------------------------------------------------------------------
-
-
-def _analyse(ctx: Context, r: Resolved, status: SpecDecodeDeploymentStatus, now: datetime,
-             logger: logging.Logger, *, lws: bool) -> Verdict | None:
-    """The canary's verdict over the last window; None without a canary or without data yet."""
-    canary, analysis = status.canary_revision, r.spec.rollout.analysis
-    if canary is None:
-        return None
-    try:
-        if analysis.prometheus is not None:
-            queries = prometheus_queries(r.namespace, r.name, canary, analysis.window)
-            results = kube.query_prometheus(analysis.prometheus.url, queries, SCRAPE_TIMEOUT_SECONDS)
-            measurement: Measurement | None = measurement_from_prometheus(results, canary, now, analysis.window)
-        else:
-            measurement = _scrape(ctx, r, canary, now, logger, lws=lws)
-    except kube.ScrapeError as exc:  # a window without data counts towards inconclusiveLimit, as one without traffic
-        logger.warning("analysis of %s without data: %s", canary, exc)
-        return without_data(canary, str(exc), now)
-    if measurement is None:
-        return None
-    return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE)
-
-
-def _scrape(ctx: Context, r: Resolved, canary: str, now: datetime, logger: logging.Logger, *,
-            lws: bool) -> Measurement | None:
-    """Sample every running canary pod's ``/metrics``; the increase over the window so far.
-    Raises ``kube.ScrapeError`` when ready canary pods run but none could be sampled."""
-    window = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.window))
-    pods = ctx.cluster.pods(r.namespace, {**serving_selector(r, leader_worker_set=lws), names.LABEL_REVISION: canary})
-    history = ctx.memory.history(r.namespace, r.name, canary)
-    targets, failures = list(scrape_targets(pods)), []
-    for pod, url in targets:
-        try:
-            snapshot = parse_metrics(kube.fetch(url, SCRAPE_TIMEOUT_SECONDS))
-        except (kube.ScrapeError, ValueError) as exc:  # unreachable, or not a Prometheus exposition
-            logger.warning("canary pod %s not sampled: %s", pod, exc)
-            failures.append(f"pod {pod}: {exc}")
-            continue
-        history = history.record(pod, now, snapshot, keep=window)
-    ctx.memory.keep(r.namespace, r.name, history)
-    if targets and len(failures) == len(targets):
-        raise kube.ScrapeError("no canary pod answered /metrics: " + "; ".join(failures))
-    return history.measure(now, window)

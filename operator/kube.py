@@ -1,5 +1,5 @@
-"""The operator's I/O: the Kubernetes API (the official ``kubernetes`` client), pods' ``/metrics``
-over HTTP, Prometheus' query API, and Events (through kopf's poster).
+"""The operator's I/O with the cluster: the Kubernetes API (the official ``kubernetes`` client) and
+Events (through kopf's poster). The analysis' HTTP reads are in ``scrape``.
 
 Objects go in and come out as plain dicts, as ``render`` builds them. Children are written by
 server-side apply (``application/apply-patch+yaml``, forced) under one field manager,
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,10 +64,6 @@ KINDS = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, POD, HTTP_ROUTE, SPE
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
     return KINDS[obj["apiVersion"], obj["kind"]]
-
-
-class ScrapeError(OSError):
-    """A pod's /metrics or Prometheus could not be read."""
 
 
 class Refused(ValueError):
@@ -240,32 +234,6 @@ class Cluster:
 
     def pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
         return self.list(POD, namespace, names.label_selector(dict(labels)))
-
-
-# -- HTTP: pods and Prometheus --------------------------------------------------------------------
-
-
-def fetch(url: str, timeout: float) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http(s) URLs we built
-            return response.read().decode("utf-8")
-    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts (OSErrors); a bad URL (ValueError)
-        raise ScrapeError(f"{url}: {exc}") from exc
-
-
-def query_prometheus(base_url: str, queries: Mapping[str, str], timeout: float) -> dict[str, list[Obj]]:
-    """Each instant query's ``data.result`` vector, by key."""
-    results: dict[str, list[Obj]] = {}
-    for key, query in queries.items():
-        url = f"{base_url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-        try:
-            answer = json.loads(fetch(url, timeout))
-        except json.JSONDecodeError as exc:
-            raise ScrapeError(f"{base_url}: not a Prometheus answer: {exc}") from exc
-        if answer.get("status") != "success":
-            raise ScrapeError(f"{base_url}: {query}: {answer.get('error', answer)}")
-        results[key] = answer["data"]["result"]
-    return results
 
 
 def post_events(owner: Mapping[str, Any], events: Sequence[Event]) -> None:

@@ -429,7 +429,8 @@ def _judge(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
 
 def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec) -> None:
     """Count one analysis verdict of the canary: a verdict on another revision is stale, one from
-    before the step's weight took effect does not count yet."""
+    before the step's weight took effect does not count yet; a failure counts once the window
+    reaches past that moment, a window without data or a pass only when it began after it."""
     if verdict.measurement.revision != s.canary:
         return
     s.acceptance = measured_acceptance(verdict.measurement)
@@ -440,6 +441,8 @@ def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec) -> None:
     if verdict.result == Result.FAIL:
         _fail(s, spec, "AnalysisFailed", reasons, verdict.message)
     elif verdict.result == Result.INCONCLUSIVE:
+        if verdict.measurement.start < since:
+            return  # a window without data that began before the weight: the weight may be why
         inconclusive = s.rollout.consecutive_inconclusive + 1
         s.update(consecutive_failures=0, consecutive_inconclusive=inconclusive, message=verdict.message)
         if inconclusive >= analysis.inconclusive_limit:

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from specdecode.operator import kube, metrics, names
-from specdecode.operator.analysis import MetricSnapshot
+from specdecode.operator.analysis import History, MetricSnapshot
 from specdecode.operator.controller import (
     Memory,
     OperatorConfig,
@@ -23,6 +23,7 @@ from specdecode.operator.controller import (
     peering_priority,
     webhook_server,
 )
+from specdecode.operator.loop import analyse
 from specdecode.operator.reconcile import (
     CHILD_REFUSED,
     INVALID_SPEC,
@@ -418,12 +419,16 @@ def test_operator_metrics_follow_the_status_and_are_forgotten_with_the_resource(
     assert 'name="demo"' not in generate_latest(m.registry).decode()
 
 
-def test_memory_starts_a_new_history_for_a_new_canary() -> None:
+def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh() -> None:
     memory = Memory()
-    first = memory.history("llm", "demo", "b").record("pod", NOW, MetricSnapshot(drafts=1), keep=timedelta(minutes=1))
+    first = History("b").record("pod", NOW, MetricSnapshot(drafts=1), keep=timedelta(minutes=1))
     memory.keep("llm", "demo", first)
-    assert memory.history("llm", "demo", "b") is first
-    assert memory.history("llm", "demo", "c").samples == {}
+    assert memory.history("llm", "demo") is first
     assert memory.lock("llm", "demo") is memory.lock("llm", "demo")
+    r = resolved()
+    status = SpecDecodeDeploymentStatus(stable_revision="a", canary_revision="c")
+    no_pods = SimpleNamespace(scrape_targets=lambda *_: [])
+    verdict, history = analyse(no_pods, r, None, status, NOW, first, logging.getLogger("test"))
+    assert verdict is None and history == History("c")  # another canary: its own samples
     memory.forget("llm", "demo")
-    assert memory.history("llm", "demo", "b").samples == {}
+    assert memory.history("llm", "demo") is None

@@ -1,0 +1,162 @@
+"""loop: one reconciliation of a SpecDecodeDeployment, over whatever runs its revisions.
+
+Two backends run revisions: Kubernetes (``controller.KubeBackend``: workloads, pods, an HTTPRoute)
+and local processes (``specdecode up``: a process per pod, a router). Each implements ``Backend``;
+``converge`` is the loop both share, so the rollout's shell exists once:
+
+    observe (revision, ready replicas, pods) → analyse the canary (its pods' /metrics, or
+    Prometheus) → rollout.advance → the backend carries the transition out (replicas, route
+    weight) → weight_in_effect → status, Events, consumed annotations
+
+Pods are plain dicts shaped as the Kubernetes API shows them (``status.containerStatuses``,
+``conditions``, …), so ``pods.runtime_refusal`` and ``pods.not_ready_reason`` read both backends.
+The analysis samples (``History``) are the caller's to keep between calls: ``converge`` takes the
+last one and returns the next.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol, TypeVar
+
+from specdecode.operator import scrape
+from specdecode.operator.analysis import (
+    History,
+    Measurement,
+    Verdict,
+    judge,
+    measurement_from_prometheus,
+    parse_metrics,
+    prometheus_queries,
+    without_data,
+)
+from specdecode.operator.pods import not_ready_reason, runtime_refusal
+from specdecode.operator.reconcile import CHILD_REFUSED, is_not_ready, not_ready
+from specdecode.operator.resolve import Resolved, duration_seconds
+from specdecode.operator.rollout import Event, EventType, Transition, advance, read_commands, weight_in_effect
+from specdecode.operator.spec import SpecDecodeDeploymentStatus
+from specdecode.runtime.config import SpeculativeMethod
+
+Obj = dict[str, Any]
+SCRAPE_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What runs, as one backend sees it."""
+
+    revision: str  # the revision the current spec asks for, as this backend runs it
+    ready: Mapping[str, int]  # ready replicas (whole parallel groups) per revision
+    pods: Sequence[Obj]  # the runtime pods (or processes, shaped as pods)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What carrying a transition out did."""
+
+    warnings: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # what the backend refused to run, a message each (ChildRefused)
+    weight_carried: bool = True  # the route holds the canary weight asked for, or none decides traffic
+    status: Mapping[str, Any] = field(default_factory=dict)  # the backend's own status fields
+
+
+O = TypeVar("O", bound=Observed)
+
+
+class Backend(Protocol[O]):
+    def observe(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> O: ...
+
+    def carry_out(self, r: Resolved, observed: O, t: Transition) -> Outcome:
+        """Run ``t.replicas`` of each revision and set ``t.status.rollout.canaryWeight``."""
+
+    def scrape_targets(self, r: Resolved, observed: O, revision: str) -> list[tuple[str, str]]:
+        """(pod, ``/metrics`` URL) of each ready pod of ``revision`` that serves requests."""
+
+    def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None: ...
+
+    def post_events(self, r: Resolved, events: Sequence[Event]) -> None: ...
+
+    def remove_annotations(self, r: Resolved, keys: Sequence[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Converged:
+    status: SpecDecodeDeploymentStatus
+    verdict: Verdict | None
+    history: History | None  # the canary's samples, to pass to the next call
+
+
+def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatus, *,
+             annotations: Mapping[str, str] | None, generation: int | None, now: datetime,
+             history: History | None, logger: logging.Logger, analyze: bool) -> Converged:
+    """One pass of the loop (the module docstring); ``analyze``: this is the analysis interval's."""
+    observed = backend.observe(r, status)
+    verdict, history = analyse(backend, r, observed, status, now, history, logger) if analyze else (None, history)
+    canary = status.canary_revision
+    t = advance(status, observed.revision, r.spec, now=now, ready=observed.ready, verdict=verdict, analysed=analyze,
+                commands=read_commands(annotations), refusal=runtime_refusal(observed.pods),
+                not_ready=not_ready_reason(observed.pods, canary) if canary else None)
+    outcome = backend.carry_out(r, observed, t)
+    weight = t.status.rollout.canary_weight
+    settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
+    new = settled.model_copy(update={"observed_generation": generation, "warnings": (*r.warnings, *outcome.warnings),
+                                     **outcome.status})
+    events = list(t.events)
+    if outcome.refused:
+        message = "; ".join(outcome.refused)
+        if not is_not_ready(status, CHILD_REFUSED, message):
+            events.append(Event(EventType.WARNING, CHILD_REFUSED, message))
+        new = not_ready(new, CHILD_REFUSED, message, now, before=status)
+    if new != status:
+        backend.write_status(r, new)
+    backend.remove_annotations(r, t.consumed_annotations)
+    backend.post_events(r, events)
+    return Converged(new, verdict, history)
+
+
+# -- analysis -----------------------------------------------------------------------------------
+
+
+def analyse(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDeploymentStatus, now: datetime,
+            history: History | None, logger: logging.Logger) -> tuple[Verdict | None, History | None]:
+    """The canary's verdict over the last window (None without a canary or without data yet), and
+    its samples so far."""
+    canary, analysis = status.canary_revision, r.spec.rollout.analysis
+    if canary is None:
+        return None, None
+    history = history if history is not None and history.revision == canary else History(canary)
+    try:
+        if analysis.prometheus is not None:
+            queries = prometheus_queries(r.namespace, r.name, canary, analysis.window)
+            results = scrape.query_prometheus(analysis.prometheus.url, queries, SCRAPE_TIMEOUT_SECONDS)
+            measurement: Measurement | None = measurement_from_prometheus(results, canary, now, analysis.window)
+        else:
+            history = _sample(backend.scrape_targets(r, observed, canary), history, now, r, logger)
+            measurement = history.measure(now, timedelta(seconds=duration_seconds(analysis.window)))
+    except scrape.ScrapeError as exc:  # a window without data counts towards inconclusiveLimit, as one without traffic
+        logger.warning("analysis of %s without data: %s", canary, exc)
+        return without_data(canary, str(exc), now), history
+    if measurement is None:
+        return None, history
+    return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE), history
+
+
+def _sample(targets: Sequence[tuple[str, str]], history: History, now: datetime, r: Resolved,
+            logger: logging.Logger) -> History:
+    """``history`` with a sample of every target's ``/metrics``. Raises ``scrape.ScrapeError``
+    when targets exist but none could be sampled (the history with what was kept rides along)."""
+    window = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.window))
+    failures = []
+    for pod, url in targets:
+        try:
+            snapshot = parse_metrics(scrape.fetch(url, SCRAPE_TIMEOUT_SECONDS))
+        except (scrape.ScrapeError, ValueError) as exc:  # unreachable, or not a Prometheus exposition
+            logger.warning("canary pod %s not sampled: %s", pod, exc)
+            failures.append(f"pod {pod}: {exc}")
+            continue
+        history = history.record(pod, now, snapshot, keep=window)
+    if targets and len(failures) == len(targets):
+        raise scrape.ScrapeError("no canary pod answered /metrics: " + "; ".join(failures))
+    return history
