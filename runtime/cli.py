@@ -263,13 +263,13 @@ def _run_render(args: argparse.Namespace) -> int:
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    from specdecode.runtime.bench.command import add_arguments
+    from specdecode.bench.command import add_arguments
 
     add_arguments(parser)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from specdecode.runtime.bench.command import run
+    from specdecode.bench.command import run
 
     return run(args)
 
@@ -282,7 +282,7 @@ def _add_bench_kernels(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from specdecode.runtime.bench.kernels import run
+    from specdecode.bench.kernels import run
 
     return run(args)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = {"runtime": "specdecode/runtime", "kernels": "specdecode/kernels", "operator": "specdecode/operator"}
+SOURCE_DIRS = {"runtime": "specdecode/runtime", "kernels": "specdecode/kernels", "operator": "specdecode/operator",
+               "bench": "specdecode/bench"}
 
 
 def source_modules() -> set[str]:
