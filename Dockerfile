@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
+COPY bench bench
 RUN python -P -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # -- operator: kopf + the torch-free operator package ---------------------------------------------

@@ -45,7 +45,6 @@ from specdecode.operator.spec import (
     SpecDecodeDeploymentSpec,
     in_crd_spelling,
 )
-from specdecode.runtime.cli import ArgumentsRefused, build_parser
 from specdecode.runtime.config import (
     MTP_PIPELINE_GATE,
     MTP_PIPELINE_WARNING,
@@ -54,6 +53,7 @@ from specdecode.runtime.config import (
     mtp_pipeline_gate_refusal,
 )
 from specdecode.runtime.models.aliases import ALIASES
+from specdecode.runtime.serve_flags import ArgumentsRefused, serve_parser
 
 # Flags the operator renders itself; extraArgs may not set them a second time.
 RENDERED_FLAGS = {
@@ -338,7 +338,7 @@ def _extra_args_errors(args: tuple[str, ...]) -> list[str]:
     errors = [f"spec.extraArgs[{i}]: {flag} is set from {RENDERED_FLAGS[flag]}; remove it"
               for i, flag in enumerate(flags) if flag in RENDERED_FLAGS]
     try:
-        _, unknown = build_parser(strict=True).parse_known_args(["serve", *args])
+        _, unknown = serve_parser(strict=True).parse_known_args(list(args))
     except ArgumentsRefused as exc:
         return [*errors, f"spec.extraArgs: `specdecode serve` refuses them: {exc}"]
     unknown_flags = list(dict.fromkeys(token.split("=", 1)[0] for token in unknown if token.startswith("-")))

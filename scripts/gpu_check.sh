@@ -33,9 +33,9 @@ case "${1:-}" in
     SITE=${TMPDIR:-/tmp}/specdecode-gpu-site
     if [ ! -d "$SITE/specdecode" ]; then
       python3 -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
-      mkdir -p "$SITE/specdecode"  # the package-dir mapping of pyproject.toml, as links
-      for part in runtime kernels operator; do ln -s "$PWD/$part" "$SITE/specdecode/$part"; done
     fi
+    mkdir -p "$SITE/specdecode"  # the package-dir mapping of pyproject.toml, as links
+    for part in runtime kernels operator bench; do ln -sfn "$PWD/$part" "$SITE/specdecode/$part"; done
     export PYTHONPATH="$SITE" TRITON_INTERPRET=0
     python3 -P -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
     rc=0

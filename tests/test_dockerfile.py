@@ -191,10 +191,18 @@ def installed_closure(requirements: list[str]) -> set[str]:
     return seen
 
 
+# What the operator image loads of the runtime: its config, the serve flags (admission checks
+# extraArgs with them), the model aliases; `specdecode validate` adds the console entry.
+OPERATOR_RUNTIME_MODULES = ["specdecode.runtime", "specdecode.runtime.config", "specdecode.runtime.models",
+                            "specdecode.runtime.models.aliases", "specdecode.runtime.serve_flags"]
+
+
 def test_operator_modules_import_from_what_the_operator_image_installs():
     """Every operator module imports with only the standard library, this package, and the
-    distributions its core dependencies and `operator` extra pull in: no torch, and nothing
-    missing from the image."""
+    distributions its core dependencies and `operator` extra pull in: no torch (nor fastapi,
+    transformers, matplotlib), and nothing missing from the image. `specdecode validate` then
+    checks an example there, and neither loads more of the runtime than its config, the serve
+    flags and the model aliases."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     dists = installed_closure(project["dependencies"] + project["optional-dependencies"]["operator"])
     assert "torch" not in dists
@@ -227,6 +235,15 @@ def test_operator_modules_import_from_what_the_operator_image_installs():
         sys.meta_path.insert(0, NotInTheImage())
         for module in {modules!r}:
             importlib.import_module(module)
+
+        def runtime_modules():
+            return sorted(name for name in sys.modules if name.startswith("specdecode.")
+                          and not name.startswith("specdecode.operator"))
+
+        assert runtime_modules() == {OPERATOR_RUNTIME_MODULES!r}, runtime_modules()
+        from specdecode.runtime.cli import main
+        assert main(["validate", {str(REPO / "examples" / "smollm2-ngram.yaml")!r}]) == 0
+        assert runtime_modules() == sorted({OPERATOR_RUNTIME_MODULES!r} + ["specdecode.runtime.cli"]), runtime_modules()
     """)
     done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

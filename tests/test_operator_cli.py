@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdecode.runtime.cli import ArgumentsRefused, build_parser, main
+from specdecode.runtime.cli import build_parser, main
+from specdecode.runtime.serve_flags import ArgumentsRefused, serve_parser
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = str(REPO / "examples" / "smollm2-ngram.yaml")
@@ -76,15 +77,15 @@ def test_validate_old_answers_as_admission_an_update_that_leaves_spec_as_it_was(
 def test_the_strict_parser_refuses_abbreviations_and_raises_instead_of_exiting():
     """What admission checks spec.extraArgs with; users' command lines keep argparse's defaults."""
     assert build_parser().parse_args(["serve", "--tensor-parallel", "2"]).tensor_parallel_size == 2
-    strict = build_parser(strict=True)
-    assert strict.parse_args(["serve", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    strict = serve_parser(strict=True)
+    assert strict.parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
     with pytest.raises(ArgumentsRefused, match="unrecognized arguments: --tensor-parallel 2"):
-        strict.parse_args(["serve", "--tensor-parallel", "2"])
-    assert strict.parse_known_args(["serve", "--max-num=4"])[1] == ["--max-num=4"]
+        strict.parse_args(["--tensor-parallel", "2"])
+    assert strict.parse_known_args(["--max-num=4"])[1] == ["--max-num=4"]
     with pytest.raises(ArgumentsRefused, match="argument --block-size: invalid int value: 'big'"):
-        strict.parse_args(["serve", "--block-size", "big"])
+        strict.parse_args(["--block-size", "big"])
     with pytest.raises(ArgumentsRefused, match="--help prints help instead of running"):
-        strict.parse_args(["serve", "--help"])
+        strict.parse_args(["--help"])
 
 
 def test_unreadable_files_exit_2(tmp_path, capsys):
@@ -130,7 +131,7 @@ def test_every_operator_module_imports_without_torch():
 def test_validate_and_render_need_neither_torch_nor_a_kubernetes_client():
     done = run_without_torch(
         f"""
-        from specdecode.runtime.cli import ArgumentsRefused, build_parser, main
+        from specdecode.runtime.cli import main
         assert main(["validate", {GOOD!r}]) == 0
         assert main(["render", {DRAFT!r}]) == 0
         assert main(["validate", {BAD!r}]) == 1

@@ -430,7 +430,8 @@ def test_every_admissible_layouts_runtime_arguments_parse_with_the_runtimes_own_
     and args parse with ``specdecode``'s parser and build its engine config with each pod's env
     (``NODE_RANK`` as the pod index gives it), and the group's pods together run every global rank
     of tensor × pipeline exactly once, none spanning two stages."""
-    from specdecode.runtime.cli import build_parser, engine_config
+    from specdecode.runtime.cli import build_parser
+    from specdecode.runtime.serve_flags import engine_config
 
     assert GROUPS.keys() == LAYOUTS.keys()
     checked = set()

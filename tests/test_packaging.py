@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = {"runtime": "specdecode/runtime", "kernels": "specdecode/kernels", "operator": "specdecode/operator"}
+SOURCE_DIRS = {"runtime": "specdecode/runtime", "kernels": "specdecode/kernels", "operator": "specdecode/operator",
+               "bench": "specdecode/bench"}
 
 
 def source_modules() -> set[str]:
@@ -68,7 +69,8 @@ def test_torch_free_parts_import_without_torch():
         """
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        import specdecode.runtime.config, specdecode.runtime.cli, specdecode.operator
+        import specdecode.runtime.config, specdecode.runtime.cli, specdecode.runtime.serve_flags, specdecode.operator
+        import specdecode.runtime.prompt_sets
         from specdecode.runtime.cli import main
         try:
             main(["--help"])
@@ -78,3 +80,32 @@ def test_torch_free_parts_import_without_torch():
     )
     done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_serving_and_the_test_helpers_load_nothing_of_bench():
+    """Every runtime module, `specdecode serve --help` and the test helpers (tests/*.py but the
+    test files) import with ``specdecode.bench`` and what only it needs (matplotlib,
+    transformers) unimportable."""
+    runtime = sorted(m[:-3].replace("/", ".").removesuffix(".__init__") for m in source_modules()
+                     if m.startswith("specdecode/runtime/"))
+    helpers = sorted(p.stem for p in (REPO / "tests").glob("*.py") if not p.stem.startswith("test_"))
+    script = textwrap.dedent(
+        f"""
+        import importlib, sys
+        class BenchOnly:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("matplotlib", "transformers") or name.startswith("specdecode.bench"):
+                    raise ImportError("serving must not import " + name)
+        sys.meta_path.insert(0, BenchOnly())
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        for name in {runtime + helpers!r}:
+            importlib.import_module(name)
+        from specdecode.runtime.cli import main
+        try:
+            main(["serve", "--help"])
+        except SystemExit as exc:
+            assert exc.code == 0
+        """
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -14,15 +14,16 @@ import httpx
 import pytest
 from local_process import free_port, wait_ready
 
-from specdecode.runtime.cli import build_parser, engine_config, main
+from specdecode.runtime.cli import main
+from specdecode.runtime.serve_flags import engine_config, serve_parser
 from specdecode.runtime.server.serve import refusal_line
 
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 
 
 def test_serve_flags_build_the_configs():
-    args = build_parser().parse_args([
-        "serve", "--model", "/m", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "mine",
+    args = serve_parser().parse_args([
+        "--model", "/m", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "mine",
         "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
         "--kv-cache-blocks", "100", "--block-size", "32", "--no-prefix-caching", "--max-waiting-requests", "3",
         "--api-key", "k", "--chat-template", "/t.jinja", "--device", "cpu", "--dtype", "bfloat16",
@@ -36,7 +37,7 @@ def test_serve_flags_build_the_configs():
     assert (s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens, s.max_waiting_requests) == (1024, 4, 256, 3)
     assert (args.host, args.port, args.served_model_name, args.api_key) == ("0.0.0.0", 9000, "mine", "k")
 
-    defaults = engine_config(build_parser().parse_args(["serve", "--kv-cache-memory-gib", "0.5"]))
+    defaults = engine_config(serve_parser().parse_args(["--kv-cache-memory-gib", "0.5"]))
     assert defaults.load.model == "smollm2-135m" and defaults.cache.memory_gib == 0.5
     assert defaults.cache.enable_prefix_caching and defaults.load.weight_cache_dir is not None
 

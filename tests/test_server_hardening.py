@@ -31,7 +31,7 @@ from server_harness import (
     wait_until,
 )
 
-from specdecode.runtime.cli import build_parser
+from specdecode.runtime.serve_flags import serve_parser
 from specdecode.runtime.engine.async_engine import FinishRate
 from specdecode.runtime.server.body import default_max_request_bytes
 from specdecode.runtime.server.errors import MAX_RETRY_AFTER_S, overloaded
@@ -128,7 +128,7 @@ def test_a_body_past_the_limit_is_refused_with_413_while_reading(engine):
 def test_the_default_limit_is_sized_from_the_context_and_at_least_1_mib(url):
     assert default_max_request_bytes(2048) == 1 << 20
     assert default_max_request_bytes(128 * 1024) == 8 << 20
-    args = build_parser().parse_args(["serve", "--max-request-bytes", "5000"])
+    args = serve_parser().parse_args(["--max-request-bytes", "5000"])
     assert args.max_request_bytes == 5000
     filler = b'{"prompt": "' + b"x" * ((1 << 20) - 14) + b'"}'
     assert len(filler) == 1 << 20 and post(url, "/tokenize", filler).status_code == 200

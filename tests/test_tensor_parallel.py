@@ -25,11 +25,12 @@ from pydantic import ValidationError
 
 from specdecode.operator.render import render
 from specdecode.operator.resolve import resolve
-from specdecode.runtime.cli import build_parser, engine_config
+from specdecode.runtime.cli import build_parser
 from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SpeculativeConfig
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
+from specdecode.runtime.serve_flags import engine_config
 
 MAX_TOKENS = 16
 TP2, PP2 = ("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")

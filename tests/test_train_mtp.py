@@ -116,8 +116,7 @@ def test_default_training_prompts_are_disjoint_from_every_benchmark_and_heldout_
     """Against every user text a benchmark can draw: all ShareGPT first turns (the sharegpt-* sets
     pick among them), all of HumanEval, the built-in prompts, each set as ``bench`` loads it, and
     the held-out prompts."""
-    from specdecode.runtime.bench.datasets import PROMPT_SETS, sharegpt_first_turns
-    from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS
+    from specdecode.runtime.prompt_sets import BUILTIN_PROMPTS, PROMPT_SETS, sharegpt_first_turns
 
     train = {m["content"].strip() for chat in prompts.training_prompts("sharegpt-followups", 320) for m in chat}
     assert len(train) == 320

@@ -16,13 +16,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from specdecode.runtime.serve_flags import add_model_arguments, engine_config
+
 TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, epochs=5, num_layers=1, depth=2, seed=0, eval_prompts=16,
                       eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.runtime.cli import add_model_arguments
-
     add_model_arguments(parser)
     d = TRAIN_DEFAULTS
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to (created)")
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from specdecode.runtime.cli import engine_config
     from specdecode.runtime.models.loader import load_model, served_name
     from specdecode.runtime.models.mtp import HiddenTap, MtpConfig, TargetFingerprint
     from specdecode.runtime.models.mtp_checkpoint import save_mtp_head

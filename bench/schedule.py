@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specdecode.runtime.bench.records import Job, RunResult
+from specdecode.bench.records import Job, RunResult
 
 BUSY_CORES = 0.25
 QUIET_SAMPLE_S = 2.0

@@ -17,11 +17,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.runtime.bench import acceptance
-from specdecode.runtime.bench.correctness import Correctness
-from specdecode.runtime.bench.records import PipelineSteps, SystemResult
-from specdecode.runtime.bench.schedule import BUSY_CORES
-from specdecode.runtime.bench.systems import NOSPEC, System
+from specdecode.bench import acceptance
+from specdecode.bench.correctness import Correctness
+from specdecode.bench.records import PipelineSteps, SystemResult
+from specdecode.bench.schedule import BUSY_CORES
+from specdecode.bench.systems import NOSPEC, System
 
 
 @dataclass

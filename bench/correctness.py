@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from specdecode.runtime.bench.records import SystemResult, TieCheck
-from specdecode.runtime.bench.systems import NOSPEC, PEER_PLAIN, System
+from specdecode.bench.records import SystemResult, TieCheck
+from specdecode.bench.systems import NOSPEC, PEER_PLAIN, System
 
 TIE_RTOL = 1e-4  # a greedy mismatch is benign only where the reference's top-2 logits are this close
 

@@ -1,6 +1,6 @@
 """The peer: Hugging Face transformers ``generate()``, KV cache on, greedy, same token ids.
 
-Run as a subprocess by ``command.py``: ``python -P -m specdecode.runtime.bench.peer_hf JOB OUT``.
+Run as a subprocess by ``command.py``: ``python -P -m specdecode.bench.peer_hf JOB OUT``.
 The job carries our tokenizer's prompt ids, so both systems see identical inputs. EOS is ignored
 by removing it from the generation config (``eos_token_id=None``) rather than with
 ``min_new_tokens``, which would mask EOS out of the logits and change the greedy choice; so both
@@ -27,10 +27,10 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from specdecode.runtime.bench.records import (
+from specdecode.bench.records import (
     Job, RequestTiming, RunResult, SystemResult, TieCheck, read_job, write_json,
 )
-from specdecode.runtime.bench.schedule import run_schedule
+from specdecode.bench.schedule import run_schedule
 from specdecode.runtime.config import LoadConfig
 from specdecode.runtime.models import aliases
 

@@ -1,6 +1,6 @@
 """Our system under benchmark: the in-process ``LLMEngine``, driven as a closed loop.
 
-Run as a subprocess by ``command.py``: ``python -P -m specdecode.runtime.bench.ours JOB OUT``.
+Run as a subprocess by ``command.py``: ``python -P -m specdecode.bench.ours JOB OUT``.
 It applies the chat template and tokenizes the prompts (the peer then reuses these exact ids),
 and at each concurrency c keeps c requests in flight, adding the next prompt as soon as one
 finishes. Greedy, ``ignore_eos`` so every request generates exactly ``max_tokens`` tokens.
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from specdecode.runtime.bench.prompts import Messages
-from specdecode.runtime.bench.records import (
+from specdecode.runtime.prompt_sets import Messages
+from specdecode.bench.records import (
     Job, PipelineSteps, RequestTiming, RunResult, SystemResult, Truncation, read_job, write_json,
 )
-from specdecode.runtime.bench.schedule import run_schedule
+from specdecode.bench.schedule import run_schedule
 from specdecode.runtime.config import (
     CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig,
 )

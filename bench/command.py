@@ -22,15 +22,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from specdecode.runtime.bench import acceptance, correctness, report
-from specdecode.runtime.bench.prompts import PROMPT_SET_NAMES, load_prompts
-from specdecode.runtime.bench.records import Job, SystemResult, Truncation, write_json
-from specdecode.runtime.bench.schedule import BUSY_CORES
-from specdecode.runtime.bench.systems import LOAD_CONTROL_ON, METHODS, NOSPEC, PEER_PLAIN, System, build_systems
+from specdecode.bench import acceptance, correctness, report
+from specdecode.runtime.prompt_sets import PROMPT_SET_NAMES, load_prompts
+from specdecode.bench.records import Job, SystemResult, Truncation, write_json
+from specdecode.bench.schedule import BUSY_CORES
+from specdecode.bench.systems import LOAD_CONTROL_ON, METHODS, NOSPEC, PEER_PLAIN, System, build_systems
 from specdecode.runtime.config import LoadConfig, LoadControl, SpeculativeConfig
 from specdecode.runtime.models import aliases
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class BenchError(RuntimeError):
@@ -40,7 +40,8 @@ class BenchError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="alias (smollm2-135m, qwen2.5-coder-1.5b), GGUF file or HF folder")
     parser.add_argument("--prompts", default="builtin",
-                        help=f"{' | '.join(PROMPT_SET_NAMES)} (fixed subsets, see datasets.py) or a JSON/JSONL file")
+                        help=f"{' | '.join(PROMPT_SET_NAMES)} (fixed subsets, see runtime/prompt_sets.py) "
+                             "or a JSON/JSONL file")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64, help="generated per request (EOS ignored by every system)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -207,7 +208,7 @@ def _run_subprocess(module: str, job: Job, tmp: Path) -> SystemResult:
     job_path, out_path = tmp / f"{job.system}-job.json", tmp / f"{job.system}-result.json"
     write_json(job_path, asdict(job))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-P", "-m", f"specdecode.runtime.bench.{module}", str(job_path), str(out_path)]
+    cmd = [sys.executable, "-P", "-m", f"specdecode.bench.{module}", str(job_path), str(out_path)]
     proc = subprocess.run(cmd, env=env, check=False)
     if proc.returncode != 0 or not out_path.exists():
         raise BenchError(f"{job.system} exited with status {proc.returncode} (its error is above)")

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.runtime.bench.prompts import Messages
+from specdecode.runtime.prompt_sets import Messages
 from specdecode.runtime.engine.sequence import SpecCounts
 
 
