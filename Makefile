@@ -1,6 +1,9 @@
-.PHONY: bootstrap serve test
+.PHONY: bootstrap up serve test
 bootstrap:
 	@scripts/bootstrap.sh
+
+up: bootstrap
+	.venv/bin/specdecode up examples/smollm2-ngram.yaml
 
 serve: bootstrap
 	.venv/bin/specdecode serve

@@ -176,6 +176,29 @@ def _run_train_mtp(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _local(name: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """The arguments and the run of one of ``specdecode up``'s family (operator/local/command.py)."""
+    def add(parser: argparse.ArgumentParser) -> None:
+        from specdecode.operator.local import command
+
+        command.add_arguments(name, parser)
+
+    def run(args: argparse.Namespace) -> int:
+        from specdecode.operator.local import command
+
+        return command.run(name, args)
+
+    return add, run
+
+
+LOCAL = ("up", "apply", "status", "down", "promote", "abort", "pause", "resume", "retry")
+LOCAL_HELP = {
+    "up": "run a SpecDecodeDeployment on this machine: replicas as processes, a router, live rollouts",
+    "apply": "apply a changed SpecDecodeDeployment to its running `up` (a new revision rolls out)",
+    "status": "the status of deployments run by `up` (a table, or -o json)",
+    "down": "stop a deployment run by `up` (every replica drained first)",
+}
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "serve a model over an OpenAI-compatible HTTP API", serve_flags.add_serve_arguments,
                _run_serve),
@@ -188,6 +211,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _add_train_mtp, _run_train_mtp),
     Subcommand("bench-kernels", "time each Triton kernel against its torch reference (table, JSON, plot)",
                _add_bench_kernels, _run_bench_kernels),
+    *(Subcommand(name, LOCAL_HELP.get(name, f"{name} the rollout of a deployment run by `up` (once per value)"),
+                 *_local(name)) for name in LOCAL),
 ]
 
 

@@ -300,25 +300,3 @@ def test_children_die_with_a_supervisor_killed_by_sigkill(tmp_path, replica):
     assert Supervisor.reap_leftovers(state, "dep") == []  # nothing left to kill, the stale file goes
     assert not pid_file_path(state, "dep").exists()
 
-
-def test_the_supervisor_module_imports_without_torch():
-    script = 'import sys\nsys.modules["torch"] = None\nimport specdecode.operator.local.processes'
-    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-
-
-# -- the real runtime ---------------------------------------------------------------------------
-
-
-def test_the_real_runtime_turns_ready_and_drains_on_stop(tmp_path, cache_dir):
-    """``specdecode serve`` of the default model (SmolLM2) on the CPU: /ready read as the runtime
-    answers it, and SIGTERM drains it to exit 0."""
-    port = free_port()
-    argv = [str(Path(sys.executable).with_name("specdecode")), "serve", "--device", "cpu", "--port", str(port),
-            "--kv-cache-blocks", "64", "--weight-cache-dir", str(cache_dir), "--termination-message-path", "",
-            "--log-level", "info"]
-    with Supervisor(tmp_path / "state", "real", poll_s=0.1) as sup:
-        sup.start("r0", argv, {"TOKENIZERS_PARALLELISM": "false"}, port)
-        wait_for(sup, "r0", lambda r: r.ready, timeout=180)
-        assert sup.stop("r0", grace_seconds=60) == 0
-        assert "drained: shutting down" in sup.log_path("r0").read_text()

@@ -1,0 +1,132 @@
+"""``specdecode up`` end to end: SmolLM2 replicas as real ``specdecode serve`` processes behind the
+router, replayed traffic through the official ``openai`` client, and two rollouts judged on the
+canary's real ``/metrics``: one promoted (its acceptance meets the SLO), one rolled back (the SLO
+asks for more than n-gram drafting gets on this traffic). Every request sent meanwhile gets a
+complete answer, and stopping leaves no process behind."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from local_process import free_port
+from operator_harness import EXAMPLES, wait_for
+
+from specdecode.operator.local import up
+from specdecode.operator.local.processes import pid_file_path, read_pid_file
+from specdecode.operator.local.store import Store
+
+pytestmark = pytest.mark.timeout(600)
+NAME = "smollm2-ngram"
+# Repetitive prompts: n-gram drafting finds its drafts in them.
+PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fib_memo(n):",
+           "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
+
+
+def deployment(path: Path, *, tokens: int, min_acceptance: float) -> str:
+    """The example at one replica (a spare one for the canary), second-scale windows."""
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["spec"]["replicas"] = 1
+    body["spec"]["speculative"]["numSpeculativeTokens"] = tokens
+    body["spec"]["rollout"].update({"maxSurge": 1, "analysis": {
+        "interval": "2s", "window": "8s", "minAcceptanceRate": min_acceptance, "failureLimit": 2,
+        "inconclusiveLimit": 20}})
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+@dataclass
+class Traffic:
+    """Completions sent one after another through the router until stopped, counted."""
+
+    client: openai.OpenAI
+    answered: int = 0
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            prompt = PROMPTS[self.answered % len(PROMPTS)]
+            try:
+                done = self.client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+                assert done.choices[0].finish_reason in ("length", "stop") and done.choices[0].text
+                self.answered += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+                self.failures.append(repr(exc))
+
+
+@dataclass
+class Up:
+    """``up.run`` on a thread of this process, stopped as Ctrl-C stops it."""
+
+    store: Store
+    port: int
+    stop: up.Stop
+    thread: threading.Thread
+    exit_codes: list[int]
+
+    def shut(self) -> None:
+        self.stop.event.set()
+        self.thread.join(120)
+        assert self.exit_codes == [0] and not self.thread.is_alive()
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Up]:
+    stop, port, served, exit_codes = up.Stop(), free_port(), threading.Event(), []
+    first = deployment(tmp_path / "v1.yaml", tokens=4, min_acceptance=0.05)
+    log = open(tmp_path / "up.log", "w")
+    thread = threading.Thread(target=lambda: exit_codes.append(up.run(
+        first, root=tmp_path / "state", port=port, out=log, stop=stop, ready=lambda _: served.set())))
+    thread.start()
+    assert served.wait(60), (tmp_path / "up.log").read_text()
+    running = Up(Store(tmp_path / "state", NAME), port, stop, thread, exit_codes)
+    try:
+        yield running
+    finally:
+        if thread.is_alive():
+            running.shut()
+        log.close()
+
+
+def reasons(store: Store) -> list[str]:
+    return [event["reason"] for event in store.events()]
+
+
+def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(running: Up, tmp_path: Path) -> None:
+    store = running.store
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    wait_for(lambda: store.status().ready_replicas == 1, "the stable replica ready", timeout=180)
+    traffic = Traffic(client)
+    sender = threading.Thread(target=traffic.run)
+    sender.start()
+    try:
+        up.apply(deployment(tmp_path / "v2.yaml", tokens=3, min_acceptance=0.05), root=store.dir.parent)
+        promoted = wait_for(lambda: "Promoted" in reasons(store) and store.status(), "the canary promoted", timeout=300)
+        assert promoted.rollout.phase.value == "Stable" and promoted.acceptance.rate > 0.05
+
+        up.apply(deployment(tmp_path / "v3.yaml", tokens=2, min_acceptance=0.99), root=store.dir.parent)
+        wait_for(lambda: "RolledBack" in reasons(store), "the poor canary rolled back", timeout=300)
+        wait_for(lambda: not store.status().rollout.retiring and store.status().ready_replicas == 1, "restored",
+                 timeout=120)
+    finally:
+        traffic.stop.set()
+        sender.join(120)
+    status = store.status()
+    rolled_back = next(c for c in status.conditions if c.type.value == "RolledBack")
+    assert rolled_back.reason == "AnalysisFailed" and "minAcceptanceRate 0.99" in rolled_back.message
+    assert status.stable_revision == promoted.stable_revision
+    assert traffic.failures == [] and traffic.answered > 10
+
+    children = read_pid_file(pid_file_path(store.dir, NAME)).children
+    assert children
+    running.shut()  # as Ctrl-C: every replica drained and stopped
+    assert not any(child.alive() for child in children.values())
+    logs = [path.read_text() for path in (store.dir / "logs").iterdir()]
+    assert logs and all("drained: shutting down" in log for log in logs)
