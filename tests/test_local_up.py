@@ -5,10 +5,14 @@ asks for more than n-gram drafting gets on this traffic). Every request sent mea
 complete answer, and stopping leaves no process behind."""
 from __future__ import annotations
 
+import io
+import re
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -103,6 +107,10 @@ def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(r
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused", max_retries=0,
                            timeout=120)
     wait_for(lambda: store.status().ready_replicas == 1, "the stable replica ready", timeout=180)
+    second = io.StringIO()
+    assert up.run(str(tmp_path / "v1.yaml"), root=store.dir.parent, port=free_port(), out=second,
+                  stop=up.Stop()) == up.EXIT_REFUSED
+    assert second.getvalue().startswith(f"specdecode up: a supervisor of '{NAME}' is already running (pid ")
     traffic = Traffic(client)
     sender = threading.Thread(target=traffic.run)
     sender.start()
@@ -130,3 +138,63 @@ def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(r
     assert not any(child.alive() for child in children.values())
     logs = [path.read_text() for path in (store.dir / "logs").iterdir()]
     assert logs and all("drained: shutting down" in log for log in logs)
+
+
+# -- bad input: one line each, nothing left running ----------------------------------------------
+
+
+def test_an_invalid_file_is_refused_with_admissions_message_and_starts_nothing(tmp_path: Path) -> None:
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["spec"]["speculative"]["numSpeculativeTokens"] = 0
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(body))
+    out = io.StringIO()
+    assert up.run(str(tmp_path / "bad.yaml"), root=tmp_path / "state", port=free_port(), out=out,
+                  stop=up.Stop()) == up.EXIT_REFUSED
+    assert out.getvalue().startswith("specdecode up: denied: ") and "numSpeculativeTokens" in out.getvalue()
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("model", {"uri": "pvc://models/smollm2"}, "spec.model.uri: pvc://models/smollm2"),
+    ("parallelism", {"pipeline": 2}, "spec.parallelism: TP1×PP2 spans pods"),
+    ("image", "ghcr.io/other/runtime:1", "spec.image: ghcr.io/other/runtime:1"),
+])
+def test_what_this_machine_cannot_run_is_refused_naming_the_field(tmp_path: Path, field: str, value: Any,
+                                                                   why: str) -> None:
+    body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
+    body["spec"][field] = value
+    (tmp_path / "there.yaml").write_text(yaml.safe_dump(body))
+    with pytest.raises(up.Refused, match="cannot run here: .*" + re.escape(why)):
+        up.admitted(str(tmp_path / "there.yaml"))
+
+
+def test_a_taken_port_and_a_model_that_does_not_load_are_one_line_errors(tmp_path: Path) -> None:
+    good = deployment(tmp_path / "good.yaml", tokens=4, min_acceptance=0.05)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        out = io.StringIO()
+        assert up.run(good, root=tmp_path / "state", port=taken.getsockname()[1], out=out,
+                      stop=up.Stop()) == up.EXIT_REFUSED
+        assert out.getvalue() == f"specdecode up: port {taken.getsockname()[1]} is in use (--port chooses another)\n"
+
+    body = yaml.safe_load(Path(good).read_text())
+    body["spec"]["model"]["uri"] = f"file://{tmp_path}/no-such-model"
+    (tmp_path / "missing.yaml").write_text(yaml.safe_dump(body))
+    out = io.StringIO()
+    assert up.run(str(tmp_path / "missing.yaml"), root=tmp_path / "state", port=free_port(), out=out,
+                  stop=up.Stop()) == up.EXIT_REFUSED
+    last = out.getvalue().strip().splitlines()[-1]
+    assert last.startswith("specdecode up: smollm2-ngram: its replicas refuse to start: ") and "no-such-model" in last
+    assert running_with(str(tmp_path)) == []
+
+
+def running_with(text: str) -> list[int]:
+    """Processes whose command line mentions ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found

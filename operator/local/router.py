@@ -209,6 +209,15 @@ class RouterMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def answered(self) -> dict[str, float]:
+        """Requests answered so far, per revision."""
+        totals: dict[str, float] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels["revision"] != NO_REVISION:
+                    totals[sample.labels["revision"]] = totals.get(sample.labels["revision"], 0.0) + sample.value
+        return totals
+
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx"

@@ -15,26 +15,29 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from specdecode.operator.commands import UnreadableFile, load_documents
 from specdecode.operator.local.backend import LocalBackend, with_router
-from specdecode.operator.local.processes import Supervisor, pid_file_path, read_pid_file
+from specdecode.operator.local.processes import AlreadyRunning, Supervisor, pid_file_path, read_pid_file
 from specdecode.operator.local.router import Router, RouterThread
 from specdecode.operator.local.store import Store, default_root
 from specdecode.operator.loop import converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
-from specdecode.operator.rollout import COMMAND_ANNOTATIONS, Command
-from specdecode.operator.spec import ModelScheme, SpecDecodeDeploymentStatus
+from specdecode.operator.rollout import COMMAND_ANNOTATIONS, RUNTIME_REFUSED, Command
+from specdecode.operator.spec import ConditionType, ModelScheme, SpecDecodeDeploymentStatus
 
 log = logging.getLogger("specdecode.up")
 TICK_SECONDS = 1.0
+TABLE_SECONDS = 15.0  # the status table is printed at least this often while it moves
 DEFAULT_PORT = 8000
 EXIT_REFUSED = 1
 RUNTIME_IMAGE = "specdecode/runtime"
@@ -96,48 +99,120 @@ class Stop:
             signal.signal(sig, lambda *_: self.event.set())
 
 
+class Traffic(Protocol):
+    """Requests replayed at the router while ``up`` runs (``traffic.Replayer``)."""
+
+    def start(self, url: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 def run(path: str, *, root: Path | None = None, port: int = DEFAULT_PORT, out: TextIO,
-        stop: Stop | None = None, ready: Callable[[int], None] | None = None) -> int:
-    """``specdecode up``: runs until stopped; the exit code. ``ready(port)`` once the router serves."""
+        stop: Stop | None = None, ready: Callable[[int], None] | None = None, traffic: Traffic | None = None) -> int:
+    """``specdecode up``: runs until stopped; the exit code. ``ready(port)`` once the router serves;
+    ``traffic`` starts then and stops before the replicas do."""
     try:
         body, r = admitted(path)
-    except Refused as exc:
-        print(f"specdecode up: {exc}", file=out)
+        store = Store(root or default_root(), r.name)
+        if stop is None:
+            stop = Stop()
+            stop.install()
+        Supervisor.reap_leftovers(store.dir, r.name)
+        with Supervisor(store.dir, r.name) as supervisor, _router(port) as router:
+            store.apply(body)
+            print(f"{r.name}: router on http://127.0.0.1:{router.port}/v1 (state in {store.dir})", file=out,
+                  flush=True)
+            if ready is not None:
+                ready(router.port)
+            if traffic is not None:
+                traffic.start(f"http://127.0.0.1:{router.port}/v1")
+            try:
+                _Loop(path, store, LocalBackend(store, supervisor, router), out).run(stop)
+            finally:
+                if traffic is not None:
+                    traffic.stop()
+                print(f"{r.name}: stopping every replica", file=out, flush=True)
+    except (Refused, AlreadyRunning) as exc:
+        print(f"specdecode up: {exc}", file=out, flush=True)
         return EXIT_REFUSED
-    store = Store(root or default_root(), r.name)
-    if stop is None:
-        stop = Stop()
-        stop.install()
-    Supervisor.reap_leftovers(store.dir, r.name)
-    with Supervisor(store.dir, r.name) as supervisor, RouterThread(Router(), port=port) as router:
-        store.apply(body)
-        print(f"{r.name}: router on http://127.0.0.1:{router.port}/v1 (state in {store.dir})", file=out, flush=True)
-        if ready is not None:
-            ready(router.port)
-        _serve(path, store, LocalBackend(store, supervisor, router), stop, out)
-        print(f"{r.name}: stopping every replica", file=out, flush=True)
     return 0
 
 
-def _serve(path: str, store: Store, backend: LocalBackend, stop: Stop, out: TextIO) -> None:
-    watched, history, next_analysis, shown = _mtime(path), None, 0.0, 0
-    while not stop.event.is_set():
-        watched = _reapply(path, watched, store, out)
-        body = store.resource()
+def _router(port: int) -> RouterThread:
+    check = socket.socket()
+    try:
+        check.bind(("127.0.0.1", port))
+    except OSError as exc:
+        raise Refused(f"port {port} is in use (--port chooses another)") from exc
+    finally:
+        check.close()
+    return RouterThread(Router(), port=port)
+
+
+class _Loop:
+    """``converge`` every tick: the watched file applied when saved, an analysis every interval
+    while a canary runs, the new Events printed, and the status table when it changed (or every
+    ``TABLE_SECONDS``). Ends on ``stop``, or when the first revision's replicas refuse to start
+    and nothing ever served (the refusal is then the error)."""
+
+    def __init__(self, path: str, store: Store, backend: LocalBackend, out: TextIO) -> None:
+        self.path, self.store, self.backend, self.out = path, store, backend, out
+        self.watched, self.history, self.next_analysis, self.shown = _mtime(path), None, 0.0, 0
+        self.table, self.table_at, self.served = "", 0.0, False
+        self.rates = Rates()
+
+    def run(self, stop: Stop) -> None:
+        while not stop.event.is_set():
+            status = self.tick()
+            refusal = _refusal(status)
+            if refusal is not None and not self.served and status.canary_revision is None:
+                raise Refused(f"{self.store.name}: its replicas refuse to start: {refusal}")
+            stop.event.wait(TICK_SECONDS)
+
+    def tick(self) -> SpecDecodeDeploymentStatus:
+        self.watched = _reapply(self.path, self.watched, self.store, self.out)
+        body = self.store.resource()
         r = with_router(admit(body).resolved)
-        status, now = store.status(), time.monotonic()
-        analyze = status.canary_revision is not None and now >= next_analysis
+        status, now = self.store.status(), time.monotonic()
+        analyze = status.canary_revision is not None and now >= self.next_analysis
         if analyze:
-            next_analysis = now + duration_seconds(r.spec.rollout.analysis.interval)
-        done = converge(backend, r, status, annotations=body["metadata"].get("annotations"),
+            self.next_analysis = now + duration_seconds(r.spec.rollout.analysis.interval)
+        done = converge(self.backend, r, status, annotations=body["metadata"].get("annotations"),
                         generation=body["metadata"].get("generation"), now=datetime.now(timezone.utc),
-                        history=history, logger=log, analyze=analyze)
-        history = done.history
-        events = store.events()
-        for event in events[shown:]:
-            print(f"{event['time']} {event['type']:7} {event['reason']}: {event['message']}", file=out, flush=True)
-        shown = len(events)
-        stop.event.wait(TICK_SECONDS)
+                        history=self.history, logger=log, analyze=analyze)
+        self.history, self.served = done.history, self.served or done.status.ready_replicas > 0
+        self._print(done.status, now)
+        return done.status
+
+    def _print(self, status: SpecDecodeDeploymentStatus, now: float) -> None:
+        events = self.store.events()
+        for event in events[self.shown:]:
+            print(f"{event['time']} {event['type']:7} {event['reason']}: {event['message']}", file=self.out,
+                  flush=True)
+        self.shown = len(events)
+        rates = self.rates.update(self.backend.router.router.metrics.answered(), now)
+        table = _table(status_rows(status), status)
+        if table != self.table or now - self.table_at >= TABLE_SECONDS:
+            print(_table(status_rows(status, rates), status), file=self.out, flush=True)
+            self.table, self.table_at = table, now
+
+
+@dataclass
+class Rates:
+    """Requests per second per revision, over the last ``TABLE_SECONDS``."""
+
+    seen: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+
+    def update(self, answered: dict[str, float], now: float) -> dict[str, float]:
+        self.seen = [(at, counts) for at, counts in self.seen if now - at <= TABLE_SECONDS] + [(now, answered)]
+        (since, before) = self.seen[0]
+        elapsed = now - since
+        return {rev: (n - before.get(rev, 0.0)) / elapsed for rev, n in answered.items()} if elapsed > 0 else {}
+
+
+def _refusal(status: SpecDecodeDeploymentStatus) -> str | None:
+    degraded = next((c for c in status.conditions if c.type == ConditionType.DEGRADED), None)
+    return degraded.message if degraded is not None and degraded.reason == RUNTIME_REFUSED else None
 
 
 def _mtime(path: str) -> float:
@@ -195,8 +270,9 @@ def down(name: str, *, root: Path | None = None, timeout: float = 120.0) -> str:
     return f"{name}: stopped" if not record.supervisor.alive() else f"{name}: still stopping after {timeout:.0f}s"
 
 
-def status_rows(status: SpecDecodeDeploymentStatus) -> list[dict[str, Any]]:
-    """The status table: a row per revision that runs."""
+def status_rows(status: SpecDecodeDeploymentStatus, rates: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """The status table: a row per revision that runs (``rates``: requests/s per revision, when
+    known)."""
     r, measured = status.rollout, status.acceptance
     rows = [(status.stable_revision, "stable", r.stable_replicas)]
     if status.canary_revision:
@@ -207,7 +283,8 @@ def status_rows(status: SpecDecodeDeploymentStatus) -> list[dict[str, Any]]:
         seen = measured if measured is not None and measured.revision == rev else None
         out.append({"revision": rev, "role": role, "replicas": replicas,
                     "acceptanceRate": seen.rate if seen else None, "meanAcceptanceLength": seen.mean_length if seen else None,
-                    "p95ItlMs": seen.p95_inter_token_latency_ms if seen else None, "phase": r.phase.value,
+                    "p95ItlMs": seen.p95_inter_token_latency_ms if seen else None,
+                    "requestsPerSecond": rates.get(rev) if rates is not None else None, "phase": r.phase.value,
                     "step": None if status.canary_step is None else status.canary_step + 1,
                     "weight": r.canary_weight if role != "stable" else None})
     return out
@@ -228,9 +305,11 @@ def _table(rows: list[dict[str, Any]], status: SpecDecodeDeploymentStatus) -> st
     def cell(value: Any, spec: str = "") -> str:
         return "-" if value is None else format(value, spec)
 
-    head = f"{'REVISION':12} {'ROLE':9} {'REPLICAS':8} {'ACCEPT':7} {'MEAN-LEN':8} {'P95-ITL':8} {'PHASE':12} STEP WEIGHT"
-    lines = [head] + [f"{row['revision'] or '-':12} {row['role']:9} {row['replicas']:<8} {cell(row['acceptanceRate'], '.2f'):7} "
-                      f"{cell(row['meanAcceptanceLength'], '.2f'):8} {cell(row['p95ItlMs'], '.0f'):8} {row['phase']:12} "
-                      f"{cell(row['step']):4} {cell(row['weight'])}" for row in rows]
+    head = (f"{'REVISION':12} {'ROLE':9} {'REPLICAS':8} {'ACCEPT':7} {'MEAN-LEN':8} {'P95-ITL':8} {'REQ/S':6} "
+            f"{'PHASE':12} STEP WEIGHT")
+    lines = [head] + [f"{row['revision'] or '-':12} {row['role']:9} {row['replicas']:<8} "
+                      f"{cell(row['acceptanceRate'], '.2f'):7} {cell(row['meanAcceptanceLength'], '.2f'):8} "
+                      f"{cell(row['p95ItlMs'], '.0f'):8} {cell(row.get('requestsPerSecond'), '.1f'):6} "
+                      f"{row['phase']:12} {cell(row['step']):4} {cell(row['weight'])}" for row in rows]
     return "\n".join([*lines, f"ready {status.ready_replicas} of {status.replicas} replicas; {status.rollout.message}"])
 
