@@ -3,7 +3,7 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 up: bootstrap
-	.venv/bin/specdecode up examples/smollm2-ngram.yaml
+	.venv/bin/specdecode up examples/smollm2-ngram.yaml $(UP_ARGS)
 
 serve: bootstrap
 	.venv/bin/specdecode serve

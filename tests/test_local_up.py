@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 import re
+import shlex
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,10 +23,12 @@ from local_process import free_port
 from operator_harness import EXAMPLES, wait_for
 
 from specdecode.operator.local import up
+from specdecode.operator.local.backend import specdecode_command
 from specdecode.operator.local.processes import pid_file_path, read_pid_file
 from specdecode.operator.local.store import Store
 
 pytestmark = pytest.mark.timeout(600)
+REPO = EXAMPLES.parent
 NAME = "smollm2-ngram"
 # Repetitive prompts: n-gram drafting finds its drafts in them.
 PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fib_memo(n):",
@@ -198,3 +202,28 @@ def running_with(text: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return found
+
+
+def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: Path) -> None:
+    """What `make up` runs (read from `make -n`), detached: the example's two replicas serve a
+    completion through the router, and `specdecode down` leaves nothing running."""
+    port, state = free_port(), tmp_path / "state"
+    printed = subprocess.run(["make", "-n", "up", f"UP_ARGS=--detach --port {port} --state-dir {state}"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout
+    command = shlex.split(printed.strip().splitlines()[-1])
+    assert command[:3] == [".venv/bin/specdecode", "up", "examples/smollm2-ngram.yaml"]
+    started = subprocess.run([*specdecode_command(), *command[1:]], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        store = Store(state, NAME)
+        wait_for(lambda: store.status().ready_replicas == 2, "both replicas ready", timeout=240)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        answer = client.chat.completions.create(model=NAME, max_tokens=16,
+                                                messages=[{"role": "user", "content": "Say hello."}])
+        assert answer.choices[0].message.content
+    finally:
+        stopped = subprocess.run([*specdecode_command(), "down", "--state-dir", str(state)],
+                                 capture_output=True, text=True, timeout=300)
+    assert stopped.stdout.strip() == f"{NAME}: stopped", stopped.stderr
+    assert running_with(str(state)) == []
