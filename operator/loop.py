@@ -60,6 +60,7 @@ class Outcome:
     refused: tuple[str, ...] = ()  # what the backend refused to run, a message each (ChildRefused)
     weight_carried: bool = True  # the route holds the canary weight asked for, or none decides traffic
     status: Mapping[str, Any] = field(default_factory=dict)  # the backend's own status fields
+    events: tuple[Event, ...] = ()  # what the backend saw happen (a replica restarted)
 
 
 O = TypeVar("O", bound=Observed)
@@ -103,7 +104,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
     new = settled.model_copy(update={"observed_generation": generation, "warnings": (*r.warnings, *outcome.warnings),
                                      **outcome.status})
-    events = list(t.events)
+    events = [*t.events, *outcome.events]
     if outcome.refused:
         message = "; ".join(outcome.refused)
         if not is_not_ready(status, CHILD_REFUSED, message):

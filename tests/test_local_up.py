@@ -6,8 +6,10 @@ complete answer, and stopping leaves no process behind."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import threading
@@ -206,7 +208,8 @@ def running_with(text: str) -> list[int]:
 
 def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: Path) -> None:
     """What `make up` runs (read from `make -n`), detached: the example's two replicas serve a
-    completion through the router, and `specdecode down` leaves nothing running."""
+    completion through the router; a replica killed is restarted and reported (a Warning Event);
+    `specdecode down` leaves nothing running."""
     port, state = free_port(), tmp_path / "state"
     printed = subprocess.run(["make", "-n", "up", f"UP_ARGS=--detach --port {port} --state-dir {state}"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -222,6 +225,12 @@ def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: P
         answer = client.chat.completions.create(model=NAME, max_tokens=16,
                                                 messages=[{"role": "user", "content": "Say hello."}])
         assert answer.choices[0].message.content
+        killed = next(iter(read_pid_file(pid_file_path(store.dir, NAME)).children.values()))
+        os.kill(killed.pid, signal.SIGKILL)
+        restarted = wait_for(lambda: next((e for e in store.events() if e["reason"] == "ReplicaRestarted"), None),
+                             "the killed replica restarted and reported", timeout=60)
+        assert restarted["type"] == "Warning" and "exited with code -9" in restarted["message"]
+        wait_for(lambda: store.status().ready_replicas == 2, "both replicas ready again", timeout=240)
     finally:
         stopped = subprocess.run([*specdecode_command(), "down", "--state-dir", str(state)],
                                  capture_output=True, text=True, timeout=300)

@@ -30,7 +30,7 @@ from specdecode.operator.local.store import Obj, Store
 from specdecode.operator.loop import Observed, Outcome
 from specdecode.operator.render import revision, runtime_args
 from specdecode.operator.resolve import Resolved
-from specdecode.operator.rollout import Event, Transition, route_canary
+from specdecode.operator.rollout import Event, EventType, Transition, route_canary
 from specdecode.operator.spec import ModelScheme, SpecDecodeDeploymentStatus, TrafficRouting
 
 HOST = "127.0.0.1"
@@ -106,6 +106,7 @@ class LocalBackend:
     command: Sequence[str] = dataclasses.field(default_factory=specdecode_command)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     routed: set[str] = dataclasses.field(default_factory=set)  # the revisions the router knows
+    restarts: dict[str, int] = dataclasses.field(default_factory=dict)  # per replica, as last reported
 
     def observe(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> LocalObserved:
         replicas = tuple(self.supervisor.replicas())
@@ -123,7 +124,16 @@ class LocalBackend:
         for rev in running | set(t.replicas):
             self._scale(rev, t.replicas.get(rev, 0), [rep for rep in observed.replicas if _revision_of(rep.id) == rev])
         self._route(t)
-        return Outcome(status={"layout": r.layout.notation})
+        return Outcome(status={"layout": r.layout.notation}, events=self._restarted(observed.replicas))
+
+    def _restarted(self, replicas: Sequence[ReplicaStatus]) -> tuple[Event, ...]:
+        """A Warning for each replica that exited and was restarted since the last call."""
+        events = tuple(Event(EventType.WARNING, "ReplicaRestarted",
+                             f"replica {rep.id} exited with code {rep.last_exit_code} "
+                             f"({rep.last_line or 'no output'}); restart {rep.restarts}")
+                       for rep in replicas if rep.restarts > self.restarts.get(rep.id, 0))
+        self.restarts = {rep.id: rep.restarts for rep in replicas}
+        return events
 
     def scrape_targets(self, r: Resolved, observed: LocalObserved, revision_: str) -> list[tuple[str, str]]:
         return [(rep.id, f"http://{HOST}:{rep.port}/metrics") for rep in observed.replicas
