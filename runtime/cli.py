@@ -191,12 +191,13 @@ def _local(name: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callab
     return add, run
 
 
-LOCAL = ("up", "apply", "status", "down", "promote", "abort", "pause", "resume", "retry")
+LOCAL = ("up", "apply", "status", "down", "promote", "abort", "pause", "resume", "retry", "traffic")
 LOCAL_HELP = {
     "up": "run a SpecDecodeDeployment on this machine: replicas as processes, a router, live rollouts",
     "apply": "apply a changed SpecDecodeDeployment to its running `up` (a new revision rolls out)",
     "status": "the status of deployments run by `up` (a table, or -o json)",
     "down": "stop a deployment run by `up` (every replica drained first)",
+    "traffic": "replay a prompt set at a bounded rate against an OpenAI-compatible server (a summary as it runs)",
 }
 
 SUBCOMMANDS: list[Subcommand] = [
