@@ -208,10 +208,11 @@ def running_with(text: str) -> list[int]:
 
 def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: Path) -> None:
     """What `make up` runs (read from `make -n`), detached: the example's two replicas serve a
-    completion through the router; a replica killed is restarted and reported (a Warning Event);
-    `specdecode down` leaves nothing running."""
+    completion through the router while `--traffic` replays the built-in prompts; a replica killed is
+    restarted and reported (a Warning Event); `specdecode down` leaves nothing running."""
     port, state = free_port(), tmp_path / "state"
-    printed = subprocess.run(["make", "-n", "up", f"UP_ARGS=--detach --port {port} --state-dir {state}"],
+    up_args = f"--detach --port {port} --state-dir {state} --traffic builtin --rate 1"
+    printed = subprocess.run(["make", "-n", "up", f"UP_ARGS={up_args}"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
     command = shlex.split(printed.strip().splitlines()[-1])
     assert command[:3] == [".venv/bin/specdecode", "up", "examples/smollm2-ngram.yaml"]
@@ -236,3 +237,5 @@ def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: P
                                  capture_output=True, text=True, timeout=300)
     assert stopped.stdout.strip() == f"{NAME}: stopped", stopped.stderr
     assert running_with(str(state)) == []
+    replayed = re.findall(r"traffic: .*\| answered (\d+) \|", (state / f"up-{port}.log").read_text())
+    assert replayed and int(replayed[-1]) > 0  # --traffic: the built-in prompts replayed at the router

@@ -104,7 +104,8 @@ class Traffic(Protocol):
 
     def start(self, url: str) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self) -> Any:
+        """Stop; what was sent and answered (``.line()``: one line of it)."""
 
 
 def run(path: str, *, root: Path | None = None, port: int = DEFAULT_PORT, out: TextIO,
@@ -130,7 +131,7 @@ def run(path: str, *, root: Path | None = None, port: int = DEFAULT_PORT, out: T
                 _Loop(path, store, LocalBackend(store, supervisor, router), out).run(stop)
             finally:
                 if traffic is not None:
-                    traffic.stop()
+                    print(traffic.stop().line(), file=out, flush=True)
                 print(f"{r.name}: stopping every replica", file=out, flush=True)
     except (Refused, AlreadyRunning) as exc:
         print(f"specdecode up: {exc}", file=out, flush=True)
