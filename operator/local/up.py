@@ -30,6 +30,7 @@ from specdecode.operator.local.backend import LocalBackend, with_router
 from specdecode.operator.local.processes import AlreadyRunning, Supervisor, pid_file_path, read_pid_file
 from specdecode.operator.local.router import Router, RouterThread
 from specdecode.operator.local.store import Store, default_root
+from specdecode.operator.local.traffic import Summary
 from specdecode.operator.loop import converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
 from specdecode.operator.rollout import COMMAND_ANNOTATIONS, RUNTIME_REFUSED, Command
@@ -104,8 +105,7 @@ class Traffic(Protocol):
 
     def start(self, url: str) -> None: ...
 
-    def stop(self) -> Any:
-        """Stop; what was sent and answered (``.line()``: one line of it)."""
+    def stop(self) -> Summary: ...
 
 
 def run(path: str, *, root: Path | None = None, port: int = DEFAULT_PORT, out: TextIO,
