@@ -215,7 +215,8 @@ def test_a_runtime_that_refuses_to_start_shows_in_status(cluster: Cluster) -> No
                         and c, "Degraded=True, reason RuntimeRefused")
     assert degraded["status"] == "True"
     assert degraded["message"] == f"pod {pod} (revision {stable}): runtime exited with code 1: {refused}"
-    assert cluster.condition("smollm2-ngram", "Ready")["status"] == "False"
+    # a reconciliation that listed the workloads before the test's status patch may still say Ready
+    wait_for(lambda: cluster.condition("smollm2-ngram", "Ready")["status"] == "False", "Ready=False")
     assert ("Warning", "RuntimeRefused", degraded["message"]) in cluster.events("smollm2-ngram")
 
     running = {**crashed, "state": {"running": {}}, "ready": True}
