@@ -239,3 +239,13 @@ def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: P
     assert running_with(str(state)) == []
     replayed = re.findall(r"traffic: .*\| answered (\d+) \|", (state / f"up-{port}.log").read_text())
     assert replayed and int(replayed[-1]) > 0  # --traffic: the built-in prompts replayed at the router
+
+
+def test_commands_on_a_deployment_up_never_ran_say_so_and_create_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "state"
+    for run in (lambda: up.command(NAME, up.Command.ABORT, root=root), lambda: up.down(NAME, root=root),
+                lambda: up.show_status(NAME, root=root),
+                lambda: up.apply(deployment(tmp_path / "v.yaml", tokens=4, min_acceptance=0.05), root=root)):
+        with pytest.raises(FileNotFoundError, match=f"{NAME}: no such deployment"):
+            run()
+    assert not root.exists()

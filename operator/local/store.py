@@ -52,6 +52,13 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "revisions").mkdir(exist_ok=True)
 
+    @classmethod
+    def existing(cls, root: Path, name: str) -> Store:
+        """The store of a deployment ``up`` ran; FileNotFoundError (creating nothing) if none did."""
+        if not (root / name / "resource.json").exists():
+            raise FileNotFoundError(f"{name}: no such deployment in {root} (start it with `specdecode up FILE`)")
+        return cls(root, name)
+
     @property
     def resource_path(self) -> Path:
         return self.dir / "resource.json"

@@ -245,22 +245,20 @@ def _reapply(path: str, seen: float, store: Store, out: TextIO) -> float:
 def apply(path: str, *, root: Path | None = None) -> str:
     """``specdecode apply FILE``: the running ``up`` of the same name picks it up; a message."""
     body, r = admitted(path)
-    store = Store(root or default_root(), r.name)
-    if store.resource() is None:
-        raise Refused(f"{r.name}: not running; start it with `specdecode up {path}`")
+    store = Store.existing(root or default_root(), r.name)
     return f"{r.name}: {'applied' if store.apply(body) else 'unchanged'}"
 
 
 def command(name: str, which: Command, value: str | None = None, *, root: Path | None = None) -> str:
     """``specdecode promote|abort|pause|resume|retry NAME [VALUE]``: the annotation, once per value."""
     token = value or uuid.uuid4().hex[:12]
-    Store(root or default_root(), name).set_annotation(COMMAND_ANNOTATIONS[which], token)
+    Store.existing(root or default_root(), name).set_annotation(COMMAND_ANNOTATIONS[which], token)
     return f"{name}: {COMMAND_ANNOTATIONS[which]}={token}"
 
 
 def down(name: str, *, root: Path | None = None, timeout: float = 120.0) -> str:
     """``specdecode down NAME``: SIGTERM to its ``up``, which drains and stops every replica."""
-    store = Store(root or default_root(), name)
+    store = Store.existing(root or default_root(), name)
     record = read_pid_file(pid_file_path(store.dir, name))
     if record is None or not record.supervisor.alive():
         return f"{name}: not running"
@@ -293,7 +291,7 @@ def status_rows(status: SpecDecodeDeploymentStatus, rates: Mapping[str, float] |
 
 def show_status(name: str, *, root: Path | None = None, output: str = "table") -> str:
     """``specdecode status NAME``: the table, or ``-o json``."""
-    store = Store(root or default_root(), name)
+    store = Store.existing(root or default_root(), name)
     status = store.status()
     rows = status_rows(status)
     if output == "json":
