@@ -105,7 +105,7 @@ def running(tmp_path: Path) -> Iterator[Up]:
 
 
 def reasons(store: Store) -> list[str]:
-    return [event["reason"] for event in store.events()]
+    return [event["reason"] for event in store.events()[0]]
 
 
 def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(running: Up, tmp_path: Path) -> None:
@@ -228,7 +228,7 @@ def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: P
         assert answer.choices[0].message.content
         killed = next(iter(read_pid_file(pid_file_path(store.dir, NAME)).children.values()))
         os.kill(killed.pid, signal.SIGKILL)
-        restarted = wait_for(lambda: next((e for e in store.events() if e["reason"] == "ReplicaRestarted"), None),
+        restarted = wait_for(lambda: next((e for e in store.events()[0] if e["reason"] == "ReplicaRestarted"), None),
                              "the killed replica restarted and reported", timeout=60)
         assert restarted["type"] == "Warning" and "exited with code -9" in restarted["message"]
         wait_for(lambda: store.status().ready_replicas == 2, "both replicas ready again", timeout=240)

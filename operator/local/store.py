@@ -119,12 +119,17 @@ class Store:
                 log.write(json.dumps({"time": now, "type": event.type.value, "reason": event.reason,
                                       "message": event.message}) + "\n")
 
-    def events(self) -> list[Obj]:
+    def events(self, offset: int = 0) -> tuple[list[Obj], int]:
+        """The Events logged from byte ``offset`` on, and the offset after them (a reader that keeps
+        it reads each Event once)."""
         try:
-            lines = (self.dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+            with open(self.dir / "events.jsonl", "rb") as log:
+                log.seek(offset)
+                data = log.read()
         except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
+            return [], offset
+        complete = data[:data.rfind(b"\n") + 1]  # a line being written waits for the next read
+        return [json.loads(line) for line in complete.splitlines() if line.strip()], offset + len(complete)
 
     def argv(self, revision: str) -> list[str] | None:
         try:

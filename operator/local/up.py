@@ -158,7 +158,8 @@ class _Loop:
 
     def __init__(self, path: str, store: Store, backend: LocalBackend, out: TextIO) -> None:
         self.path, self.store, self.backend, self.out = path, store, backend, out
-        self.watched, self.history, self.next_analysis, self.shown = _mtime(path), None, 0.0, 0
+        self.watched, self.history, self.next_analysis = _mtime(path), None, 0.0
+        self.shown = 0  # bytes of the event log printed
         self.table, self.table_at, self.served = "", 0.0, False
         self.rates = Rates()
 
@@ -186,11 +187,10 @@ class _Loop:
         return done.status
 
     def _print(self, status: SpecDecodeDeploymentStatus, now: float) -> None:
-        events = self.store.events()
-        for event in events[self.shown:]:
+        events, self.shown = self.store.events(self.shown)
+        for event in events:
             print(f"{event['time']} {event['type']:7} {event['reason']}: {event['message']}", file=self.out,
                   flush=True)
-        self.shown = len(events)
         rates = self.rates.update(self.backend.router.router.metrics.answered(), now)
         table = _table(status_rows(status), status)
         if table != self.table or now - self.table_at >= TABLE_SECONDS:
