@@ -98,7 +98,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     canary = status.canary_revision
     t = advance(status, observed.revision, r.spec, now=now, ready=observed.ready, verdict=verdict, analysed=analyze,
                 commands=read_commands(annotations), refusal=runtime_refusal(observed.pods),
-                not_ready=not_ready_reason(observed.pods, canary) if canary else None)
+                not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None)
     outcome = backend.carry_out(r, observed, t)
     weight = t.status.rollout.canary_weight
     settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
