@@ -212,9 +212,9 @@ def test_the_readmes_first_command_detached_serves_and_down_stops_it(tmp_path: P
     restarted and reported (a Warning Event); `specdecode down` leaves nothing running."""
     port, state = free_port(), tmp_path / "state"
     up_args = f"--detach --port {port} --state-dir {state} --traffic builtin --rate 1"
-    printed = subprocess.run(["make", "-n", "up", f"UP_ARGS={up_args}"],
+    printed = subprocess.run(["make", "--no-print-directory", "-n", "up", f"UP_ARGS={up_args}"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout
-    command = shlex.split(printed.strip().splitlines()[-1])
+    command = shlex.split(printed.strip().splitlines()[-1])  # --no-print-directory: under `make test` too
     assert command[:3] == [".venv/bin/specdecode", "up", "examples/smollm2-ngram.yaml"]
     started = subprocess.run([*specdecode_command(), *command[1:]], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
