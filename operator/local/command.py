@@ -19,6 +19,7 @@ from specdecode.operator.local.store import default_root
 from specdecode.operator.rollout import Command
 
 DETACH_WAIT_SECONDS = 600.0
+STOP_POLL_S = 0.2  # how often `traffic` looks for Ctrl-C or SIGTERM
 
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,8 @@ def _replayer(source: str, num_prompts: int | None, **config: Any) -> traffic.Re
 
 
 def _traffic(args: argparse.Namespace) -> int:
-    """``specdecode traffic``: replay until the duration or count is reached, or Ctrl-C; exit 1
+    """``specdecode traffic``: replay until the duration or count is reached, or Ctrl-C (SIGINT or
+    SIGTERM: a replayer started in the background by a shell ignores SIGINT); exit 1
     when no model was found (``/models`` refused, or never answered before Ctrl-C)."""
     try:
         replayer = _replayer(
@@ -113,12 +115,15 @@ def _traffic(args: argparse.Namespace) -> int:
     except up.Refused as exc:
         print(f"specdecode traffic: {exc}", file=sys.stderr)
         return up.EXIT_REFUSED
-    replayer.start(args.url)
+    stop = up.Stop()
+    stop.install()
     try:
-        replayer.wait()
-    except KeyboardInterrupt:
-        pass
-    summary = replayer.stop()
+        replayer.start(args.url)
+        while not replayer.wait(STOP_POLL_S) and not stop.event.is_set():
+            pass
+        summary = replayer.stop()
+    finally:
+        stop.uninstall()
     print(json.dumps(summary.as_dict(), indent=2) if args.output == "json" else summary.report(), flush=True)
     return 0 if summary.model is not None else up.EXIT_REFUSED  # no model: nothing could be sent
 

@@ -94,10 +94,16 @@ class Stop:
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self.event.set())
+        self._previous = {sig: signal.signal(sig, lambda *_: self.event.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def uninstall(self) -> None:
+        """The handlers before ``install`` again."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class Traffic(Protocol):
