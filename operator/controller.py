@@ -47,7 +47,7 @@ from specdecode.operator.reconcile import (
     read_status,
     ready_replicas,
     running_kind,
-    scrape_targets,
+    serving_endpoints,
     status_patch,
 )
 from specdecode.operator.render import revision, serving_selector
@@ -284,10 +284,10 @@ class KubeBackend:
                        status={"selector": names.label_selector(serving_selector(r, leader_worker_set=lws)),
                                "layout": r.layout.notation, "workload_kind": stable_kind})
 
-    def scrape_targets(self, r: Resolved, observed: KubeObserved, revision_: str) -> list[tuple[str, str]]:
+    def serving_endpoints(self, r: Resolved, observed: KubeObserved, revision_: str) -> list[tuple[str, str]]:
         lws = observed.kind is WorkloadKind.LEADER_WORKER_SET
         selector = {**serving_selector(r, leader_worker_set=lws), names.LABEL_REVISION: revision_}
-        return list(scrape_targets(self.cluster.pods(r.namespace, selector)))
+        return list(serving_endpoints(self.cluster.pods(r.namespace, selector)))
 
     def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None:
         self.cluster.patch_status(r.namespace, r.name, status_patch(status))

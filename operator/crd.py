@@ -150,6 +150,12 @@ PRINTER_COLUMNS = [
     _column("Revision", "string", ".status.stableRevision", "the stable revision"),
     _column("Degraded", "string", '.status.conditions[?(@.type=="Degraded")].reason',
             "why it is degraded, e.g. RuntimeRefused (AsExpected when it is not)"),
+    _column("Equivalence", "string", ".status.equivalence.state",
+            "the equivalence probe of the canary: Probing, Diverged, Inconclusive or Skipped"),
+    _column("Same", "integer", ".status.equivalence.promptsSame", "probed prompts that gave the stable's tokens"),
+    _column("Near-Ties", "integer", ".status.equivalence.nearTies", "probed prompts that first differed at a near-tie"),
+    _column("Diverged", "string", ".status.equivalence.lastDivergence.prompt",
+            "the prompt of the last difference the probe found", priority=1),
     _column("Canary", "string", ".status.canaryRevision", "the revision being rolled out", priority=1),
     _column("Age", "date", ".metadata.creationTimestamp", "time since creation"),
 ]

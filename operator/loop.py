@@ -5,8 +5,9 @@ and local processes (``specdecode up``: a process per pod, a router). Each imple
 ``converge`` is the loop both share, so the rollout's shell exists once:
 
     observe (revision, ready replicas, pods) → analyse the canary (its pods' /metrics, or
-    Prometheus) → rollout.advance → the backend carries the transition out (replicas, route
-    weight) → weight_in_effect → status, Events, consumed annotations
+    Prometheus) and probe its outputs against the stable's (``equivalence``) → rollout.advance →
+    the backend carries the transition out (replicas, route weight) → weight_in_effect → status,
+    Events, consumed annotations
 
 Pods are plain dicts shaped as the Kubernetes API shows them (``status.containerStatuses``,
 ``conditions``, …), so ``pods.runtime_refusal`` and ``pods.not_ready_reason`` read both backends.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
-from specdecode.operator import scrape
+from specdecode.operator import equivalence, scrape
 from specdecode.operator.analysis import (
     History,
     Measurement,
@@ -36,7 +37,7 @@ from specdecode.operator.pods import not_ready_reason, runtime_refusal
 from specdecode.operator.reconcile import CHILD_REFUSED, is_not_ready, not_ready
 from specdecode.operator.resolve import Resolved, duration_seconds
 from specdecode.operator.rollout import Event, EventType, Transition, advance, read_commands, weight_in_effect
-from specdecode.operator.spec import SpecDecodeDeploymentStatus
+from specdecode.operator.spec import EquivalenceState, EquivalenceStatus, RolloutPhase, SpecDecodeDeploymentStatus
 from specdecode.runtime.config import SpeculativeMethod
 
 Obj = dict[str, Any]
@@ -72,8 +73,8 @@ class Backend(Protocol[O]):
     def carry_out(self, r: Resolved, observed: O, t: Transition) -> Outcome:
         """Run ``t.replicas`` of each revision and set ``t.status.rollout.canaryWeight``."""
 
-    def scrape_targets(self, r: Resolved, observed: O, revision: str) -> list[tuple[str, str]]:
-        """(pod, ``/metrics`` URL) of each ready pod of ``revision`` that serves requests."""
+    def serving_endpoints(self, r: Resolved, observed: O, revision: str) -> list[tuple[str, str]]:
+        """(pod, base URL) of each ready pod of ``revision`` that serves requests."""
 
     def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None: ...
 
@@ -95,16 +96,20 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     """One pass of the loop (the module docstring); ``analyze``: this is the analysis interval's."""
     observed = backend.observe(r, status)
     verdict, history = analyse(backend, r, observed, status, now, history, logger) if analyze else (None, history)
+    probed = probe_outputs(backend, r, observed, status) if analyze else None
     canary = status.canary_revision
     t = advance(status, observed.revision, r.spec, now=now, ready=observed.ready, verdict=verdict, analysed=analyze,
                 commands=read_commands(annotations), refusal=runtime_refusal(observed.pods),
-                not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None)
+                not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None, probe=probed)
     outcome = backend.carry_out(r, observed, t)
     weight = t.status.rollout.canary_weight
     settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
     new = settled.model_copy(update={"observed_generation": generation, "warnings": (*r.warnings, *outcome.warnings),
                                      **outcome.status})
     events = [*t.events, *outcome.events]
+    if probed is not None:
+        new = new.model_copy(update={"equivalence": equivalence.recorded(status.equivalence, probed)})
+        events += _probe_events(status.equivalence, probed)
     if outcome.refused:
         message = "; ".join(outcome.refused)
         if not is_not_ready(status, CHILD_REFUSED, message):
@@ -134,7 +139,8 @@ def analyse(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDep
             results = scrape.query_prometheus(analysis.prometheus.url, queries, SCRAPE_TIMEOUT_SECONDS)
             measurement: Measurement | None = measurement_from_prometheus(results, canary, now, analysis.window)
         else:
-            history = _sample(backend.scrape_targets(r, observed, canary), history, now, r, logger)
+            targets = [(pod, f"{url}/metrics") for pod, url in backend.serving_endpoints(r, observed, canary)]
+            history = _sample(targets, history, now, r, logger)
             measurement = history.measure(now, timedelta(seconds=duration_seconds(analysis.window)))
     except scrape.ScrapeError as exc:  # a window without data counts towards inconclusiveLimit, as one without traffic
         logger.warning("analysis of %s without data: %s", canary, exc)
@@ -142,6 +148,39 @@ def analyse(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDep
     if measurement is None:
         return None, history
     return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE), history
+
+
+def probe_outputs(backend: Backend[O], r: Resolved, observed: O,
+                  status: SpecDecodeDeploymentStatus) -> equivalence.ProbeResult | None:
+    """The equivalence probe of a progressing canary, on its first ready replica against the
+    stable's first (None: nothing to probe this interval)."""
+    canary, config = status.canary_revision, r.spec.rollout.analysis.equivalence
+    if (canary is None or canary != observed.revision or status.stable_revision is None or config.enabled is False
+            or status.rollout.phase is not RolloutPhase.PROGRESSING):
+        return None
+    if status.stable_model != r.spec.model.uri:
+        return equivalence.skipped(canary, "the stable revision's model is not known yet" if status.stable_model is None
+                                   else f"the canary serves model {r.spec.model.uri}, the stable {status.stable_model}: "
+                                        "outputs of two models are not compared")
+    stable, new = (backend.serving_endpoints(r, observed, rev) for rev in (status.stable_revision, canary))
+    if not stable or not new:
+        return None
+    done = status.equivalence.prompts_same + status.equivalence.near_ties if (
+        status.equivalence is not None and status.equivalence.revision == canary) else 0
+    return equivalence.probe(stable[0][1], new[0][1], revision=canary, model=r.spec.model.served_name or r.name,
+                             prompts=equivalence.prompts_for(config, done), config=config)
+
+
+def _probe_events(before: EquivalenceStatus | None, result: equivalence.ProbeResult) -> list[Event]:
+    """An Event when the probe of a revision turns inconclusive or is skipped (a divergence is
+    the rollback's own Event)."""
+    kinds = {EquivalenceState.INCONCLUSIVE: (EventType.WARNING, "EquivalenceInconclusive"),
+             EquivalenceState.SKIPPED: (EventType.NORMAL, "EquivalenceSkipped")}
+    unchanged = before is not None and before.revision == result.revision and before.state is result.state
+    if result.state not in kinds or unchanged:
+        return []
+    kind, reason = kinds[result.state]
+    return [Event(kind, reason, f"canary {result.revision}: {result.message}")]
 
 
 def _sample(targets: Sequence[tuple[str, str]], history: History, now: datetime, r: Resolved,

@@ -17,7 +17,7 @@
   (LeaderWorkerSet when the cluster serves it then) and recorded in ``status.workloadKind``;
   only the ``names.ANNOTATION_WORKLOAD_KIND`` annotation changes it, through a rollout.
 - ``ready_replicas``: ready model replicas (whole parallel groups) per revision, as ``advance``
-  takes them; ``scrape_targets``: the canary pods' ``/metrics`` addresses. Why a runtime pod
+  takes them; ``serving_endpoints``: the ready pods' addresses (their ``/metrics``, the probe's completions). Why a runtime pod
   will not start (``pods.runtime_refusal``) or is not ready is read in ``pods``.
 - ``status_patch`` / ``not_ready``: the typed status as the merge patch the API takes;
   ``Ready=False`` for an invalid spec (``InvalidSpec``) or a child the API server refused
@@ -219,15 +219,15 @@ def ready_replicas(existing: Sequence[Obj], pods_per_group: int) -> dict[str, in
     return ready
 
 
-def scrape_targets(pods: Sequence[Obj]) -> Iterator[tuple[str, str]]:
-    """(pod name, ``/metrics`` URL) of each ready pod (its model loaded): its IP and the runtime's
-    ``http`` port."""
+def serving_endpoints(pods: Sequence[Obj]) -> Iterator[tuple[str, str]]:
+    """(pod name, base URL) of each ready pod (its model loaded): its IP and the runtime's ``http``
+    port."""
     for pod in pods:
         status, meta = pod.get("status") or {}, pod["metadata"]
         ip, port = status.get("podIP"), _http_port(pod)
         if ip and port and is_ready(pod) and not meta.get("deletionTimestamp"):
             host = f"[{ip}]" if ":" in ip else ip
-            yield meta["name"], f"http://{host}:{port}/metrics"
+            yield meta["name"], f"http://{host}:{port}"
 
 
 def _http_port(pod: Obj) -> int | None:

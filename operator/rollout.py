@@ -31,6 +31,10 @@ Semantics:
   pauses); PASS resets both and, if its window started once the weight was in effect and spans a
   whole window, moves to the next step — past 100 % it promotes: the canary becomes stable and
   the old stable's workloads (the surge's share, if any) go.
+- An equivalence probe (``equivalence``) whose canary's greedy outputs diverged from the
+  stable's rolls the canary back at once, whatever ``failureLimit`` (OutputDiverged, with the
+  prompt, the position and both tokens). ``status.stableModel`` records the stable's
+  ``model.uri`` whenever no canary runs, so a canary is probed only on the same model.
 - **Capacity**: a rollback, an abort, a new edit or a change back to the stable *retires* the
   canary (``rollout.retiring``): it keeps its replicas, serving, and shrinks only as the stable
   (and a new canary) regain them ready — ``capacity`` says how far each move goes. With
@@ -76,12 +80,14 @@ from enum import Enum
 from specdecode.operator import names
 from specdecode.operator.analysis import Result, Verdict, measured_acceptance
 from specdecode.operator.capacity import cuts_over, max_unavailable, next_move, step_replicas
+from specdecode.operator.equivalence import ProbeResult
 from specdecode.operator.resolve import duration_seconds
 from specdecode.operator.spec import (
     CommandRecord,
     Condition,
     ConditionStatus,
     ConditionType,
+    EquivalenceState,
     MeasuredAcceptance,
     PauseCause,
     RetiringRevision,
@@ -94,6 +100,7 @@ from specdecode.operator.spec import (
 TRUE, FALSE, UNKNOWN = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 RUNTIME_REFUSED = "RuntimeRefused"
 CANARY_NOT_READY = "CanaryNotReady"
+OUTPUT_DIVERGED = "OutputDiverged"
 LEGACY_VALUE = "true"  # the command value before values named revisions: acts every time it is set
 _REVISION = re.compile(f"[0-9a-f]{{{names.REVISION_LENGTH}}}")
 
@@ -186,18 +193,19 @@ class _State:
 def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: SpecDecodeDeploymentSpec, *,
             now: datetime, ready: Mapping[str, int], verdict: Verdict | None = None, analysed: bool = False,
             commands: Mapping[Command, str] | None = None, refusal: str | None = None,
-            not_ready: str | None = None) -> Transition:
+            not_ready: str | None = None, probe: ProbeResult | None = None) -> Transition:
     """The next status, workloads and events (see the module docstring). ``ready``: ready
     replicas (whole parallel groups) per revision, as observed; ``analysed``: this call is the
     analysis interval's; ``commands``: ``read_commands``; ``refusal``: ``pods.runtime_refusal`` of
-    the resource's pods; ``not_ready``: ``pods.not_ready_reason`` of the canary's."""
+    the resource's pods; ``not_ready``: ``pods.not_ready_reason`` of the canary's; ``probe``: the
+    interval's equivalence probe of the canary."""
     state = _State(status.stable_revision, status.canary_revision, status.canary_step, status.rollout,
                    status.acceptance, status.commands, refusal=refusal)
     if refusal is not None and not any(c.reason == RUNTIME_REFUSED for c in status.conditions):
         state.emit(EventType.WARNING, RUNTIME_REFUSED, refusal)
     _follow_spec(state, desired_revision, spec)
     _obey(state, commands or {}, desired_revision, spec)
-    _judge(state, spec, ready, verdict, analysed, not_ready)
+    _judge(state, spec, ready, verdict, analysed, not_ready, probe)
     replicas = _scale(state, spec, ready, now)
     state.update(canary_weight=_route_weight(state, spec, ready, replicas, restored=bool(status.rollout.retiring)))
     new_status = status.model_copy(update={
@@ -206,6 +214,8 @@ def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: Spe
         "canary_step": state.step,
         "rollout": state.rollout,
         "acceptance": state.acceptance,
+        "stable_model": spec.model.uri if state.canary is None and state.stable == desired_revision
+        else status.stable_model,
         "commands": state.commands,
         "replicas": sum(replicas.values()),
         "ready_replicas": sum(min(ready.get(rev, 0), n) for rev, n in replicas.items()),
@@ -412,10 +422,16 @@ def _promote(s: _State, how: str) -> None:
 
 
 def _judge(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], verdict: Verdict | None,
-           analysed: bool, not_ready: str | None) -> None:
-    """An analysis interval with a canary short of ready replicas at its reached step fails;
-    otherwise the verdict, if any, counts."""
+           analysed: bool, not_ready: str | None, probe: ProbeResult | None) -> None:
+    """A canary whose outputs diverged from the stable's is rolled back at once; an analysis
+    interval with a canary short of ready replicas at its reached step fails; otherwise the
+    verdict, if any, counts."""
     if s.canary is None:
+        return
+    if (probe is not None and probe.revision == s.canary and probe.state is EquivalenceState.DIVERGED
+            and s.rollout.phase == RolloutPhase.PROGRESSING):
+        s.emit(EventType.WARNING, OUTPUT_DIVERGED, probe.message)
+        _roll_back(s, spec, OUTPUT_DIVERGED, probe.message)
         return
     wanted = step_replicas(spec, spec.rollout.steps[s.step].weight).canary
     seen = ready.get(s.canary, 0)

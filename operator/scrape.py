@@ -1,8 +1,10 @@
-"""scrape: the HTTP reads of an analysis — a runtime's ``/metrics`` and Prometheus' query API.
-Plain ``urllib``: both backends (the operator's pods, ``specdecode up``'s processes) read them alike."""
+"""scrape: the HTTP calls of an analysis — a runtime's ``/metrics``, Prometheus' query API, and
+the equivalence probe's completions. Plain ``urllib``: both backends (the operator's pods,
+``specdecode up``'s processes) are called alike."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
@@ -12,7 +14,7 @@ Obj = dict[str, Any]
 
 
 class ScrapeError(OSError):
-    """A pod's /metrics or Prometheus could not be read."""
+    """A pod's /metrics, Prometheus or a completion could not be read."""
 
 
 def fetch(url: str, timeout: float) -> str:
@@ -20,6 +22,19 @@ def fetch(url: str, timeout: float) -> str:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - http(s) URLs we built
             return response.read().decode("utf-8")
     except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts (OSErrors); a bad URL (ValueError)
+        raise ScrapeError(f"{url}: {exc}") from exc
+
+
+def post_json(url: str, body: Obj, timeout: float) -> Obj:
+    """POST ``body`` as JSON; the JSON answer. An HTTP error's message carries the body it sent."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode("utf-8"),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - http(s) URLs we built
+            return json.loads(response.read().decode("utf-8"))
+    except urllib.error.HTTPError as exc:
+        raise ScrapeError(f"{url}: HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')[:200]}") from exc
+    except (OSError, ValueError) as exc:  # URLError, timeouts; a bad URL or an answer that is not JSON
         raise ScrapeError(f"{url}: {exc}") from exc
 
 

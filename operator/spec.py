@@ -116,6 +116,24 @@ class Prometheus(Shared):
     url: str = Field(pattern=r"^https?://.+", description="query this Prometheus instead of scraping canary pods")
 
 
+class Equivalence(Shared):
+    """The equivalence probe: each analysis interval, greedy outputs of one canary replica against
+    one stable replica on the same prompts (operator/equivalence.py). Greedy decoding with the same
+    target model gives the same tokens whatever the speculative configuration, so a difference
+    beyond a near-tie rolls the canary back at once (``OutputDiverged``)."""
+
+    enabled: bool | None = Field(
+        None, description="unset: on when the canary serves the stable's target model (the same model.uri); "
+        "false: off")
+    prompts: tuple[str, ...] | None = Field(
+        None, min_length=1, description="prompts sent as one user turn each; unset: 16 built-in short prompts")
+    max_tokens: int = Field(32, ge=1, le=1024, description="tokens generated per prompt")
+    near_tie_logprob_gap: float = Field(
+        0.1, ge=0.0, description="nats: a first difference where the stable's top-2 logprobs are closer than this "
+        "is a near-tie (shown, not failed)")
+    prompts_per_interval: int = Field(4, ge=1, le=64, description="prompts probed each analysis interval")
+
+
 class Analysis(Shared):
     """The SLO a canary revision is held to, judged every ``interval`` over the last ``window``."""
 
@@ -128,6 +146,7 @@ class Analysis(Shared):
     failure_limit: int = Field(3, ge=1, description="consecutive failed analyses that roll back")
     inconclusive_limit: int = Field(3, ge=1, description="consecutive windows without data that pause")
     prometheus: Prometheus | None = None
+    equivalence: Equivalence = Equivalence()
 
 
 class CanaryStep(Shared):
@@ -324,6 +343,37 @@ class RolloutStatus(Shared):
     message: str = Field("", description="the last analysis verdict, or why the rollout paused, rolled back or was promoted")
 
 
+class EquivalenceState(str, Enum):
+    """Where the equivalence probe of the canary stands."""
+
+    PROBING = "Probing"  # every prompt so far gave the stable's tokens, or a near-tie
+    DIVERGED = "Diverged"  # a prompt's tokens differed beyond a near-tie: the canary was rolled back
+    INCONCLUSIVE = "Inconclusive"  # the stable disagreed with itself: equivalence cannot be proven here
+    SKIPPED = "Skipped"  # the canary serves another model, or the stable's is not known yet
+
+
+class OutputDivergence(Shared):
+    """The first position at which two greedy outputs of one prompt differ."""
+
+    prompt: str
+    position: int = Field(ge=0, description="index of the first differing generated token")
+    stable_token: str = Field(description="the stable's token there ('' where its output had ended)")
+    other_token: str = Field(description="the canary's token there (the stable's own, for the control)")
+    logprob_gap: float | None = Field(
+        None, description="the stable's top-1 minus top-2 logprob there, in nats (none where its output had ended)")
+
+
+class EquivalenceStatus(Shared):
+    """The equivalence probe of ``revision`` (the canary when probed), so far."""
+
+    revision: str
+    state: EquivalenceState
+    prompts_same: int = Field(0, ge=0, description="prompts whose greedy tokens equalled the stable's")
+    near_ties: int = Field(0, ge=0, description="prompts that first differed at a near-tie")
+    last_divergence: OutputDivergence | None = None
+    message: str = ""
+
+
 class CommandRecord(Shared):
     """The last value of each command annotation the operator handled: a value is obeyed once, so
     an annotation re-applied (GitOps) or left in place does nothing more."""
@@ -360,6 +410,9 @@ class SpecDecodeDeploymentStatus(Shared):
         None, description="what runs the stable revision's pods: chosen once (LeaderWorkerSet if the cluster served it "
         "then), changed only by the specdecode.io/workload-kind annotation, as a rollout")
     acceptance: MeasuredAcceptance | None = None
+    stable_model: str | None = Field(
+        None, description="spec.model.uri of the stable revision: a canary on the same one has its outputs compared")
+    equivalence: EquivalenceStatus | None = None
     warnings: tuple[str, ...] = Field((), description="what resolve flagged, e.g. a lossy verify strategy")
     rollout: RolloutStatus = RolloutStatus()
     commands: CommandRecord = CommandRecord()

@@ -7,11 +7,12 @@ emulated API server (kube_emulator.py): kopf logs in through a login handler in 
 registry, the operator's own ``kubernetes`` client through the kubeconfig ``write_kubeconfig``
 writes (the caller points ``KUBECONFIG`` at it). ``emulated_cluster`` starts both and yields a
 ``Cluster``: the official ``kubernetes`` client's view of the emulator, with the operator's
-start and stop. ``RuntimeStandIn`` is a canary pod's runtime (``/metrics``),
+start and stop. ``RuntimeStandIn`` is a runtime pod (``/metrics``, chat completions with logprobs),
 ``PrometheusStandIn`` a Prometheus answering the analysis' queries.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -322,12 +323,23 @@ def crd_of(group: str, version: str, kind: str, plural: str) -> Obj:
 
 
 class HttpStandIn:
-    """A real HTTP server on a free localhost port; ``respond(path)`` → (content type, body)."""
+    """A real HTTP server on a free localhost port; ``respond(path)`` → (content type, body) for a
+    GET, ``post(path, JSON body)`` → a JSON answer for a POST (404 without it)."""
 
-    def __init__(self, respond: Callable[[str], tuple[str, bytes]]) -> None:
+    def __init__(self, respond: Callable[[str], tuple[str, bytes]],
+                 post: Callable[[str, Any], Any] | None = None) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
-                content_type, body = respond(self.path)
+                self.answer(*respond(self.path))
+
+            def do_POST(self) -> None:  # noqa: N802
+                sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if post is None:
+                    self.send_error(404)
+                else:
+                    self.answer("application/json", json.dumps(post(self.path, sent)).encode())
+
+            def answer(self, content_type: str, body: bytes) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
@@ -347,12 +359,23 @@ class HttpStandIn:
         self.server.server_close()
 
 
-class RuntimeStandIn(HttpStandIn):
-    """A canary pod's ``/metrics`` as the runtime names them; every scrape first adds one slice
-    of traffic whose drafts are accepted at ``acceptance``."""
+Answer = Callable[[str, int], list[tuple[str, float]]]  # (prompt, its nth call) → (token, top-2 gap) a position
 
-    def __init__(self, acceptance: float) -> None:
-        self.acceptance = acceptance
+
+def echo(prompt: str, _: int) -> list[tuple[str, float]]:
+    """A greedy answer: the prompt's words, each far ahead of the runner-up (2 nats)."""
+    return [(word, 2.0) for word in prompt.split()]
+
+
+class RuntimeStandIn(HttpStandIn):
+    """A runtime pod: ``/metrics`` as the runtime names them, every scrape first adding one slice
+    of traffic whose drafts are accepted at ``acceptance``; and chat completions with logprobs,
+    the tokens and top-2 gaps ``answer`` gives (``calls``: the requests it answered, in order)."""
+
+    def __init__(self, acceptance: float, answer: Answer = echo) -> None:
+        self.acceptance, self.answer, self.calls = acceptance, answer, []
+        self.seen: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
         self.registry = registry = CollectorRegistry()
         self.drafts = Counter("specdecode:spec_decode_num_drafts", "drafts", registry=registry)
         self.draft_tokens = Counter("specdecode:spec_decode_num_draft_tokens", "draft tokens", registry=registry)
@@ -361,7 +384,19 @@ class RuntimeStandIn(HttpStandIn):
         self.generated = Counter("specdecode:generation_tokens", "tokens", registry=registry)
         self.itl = Histogram("specdecode:inter_token_latency_seconds", "itl", registry=registry,
                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
-        super().__init__(self.scrape)
+        super().__init__(self.scrape, self.complete)
+
+    def complete(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body["messages"][-1]["content"]
+        with self.lock:
+            nth = self.seen[prompt]
+            self.seen[prompt] += 1
+            self.calls.append(body)
+        content = [{"token": token, "logprob": -0.1,
+                    "top_logprobs": [{"token": token, "logprob": -0.1}, {"token": "~", "logprob": -0.1 - gap}]}
+                   for token, gap in self.answer(prompt, nth)[:body["max_tokens"]]]
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(t["token"] for t in content)},
+                             "logprobs": {"content": content}, "finish_reason": "length"}]}
 
     def scrape(self, path: str) -> tuple[str, bytes]:
         self.drafts.inc(25)

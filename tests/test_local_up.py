@@ -1,8 +1,8 @@
 """``specdecode up`` end to end: SmolLM2 replicas as real ``specdecode serve`` processes behind the
-router, replayed traffic through the official ``openai`` client, and two rollouts judged on the
-canary's real ``/metrics``: one promoted (its acceptance meets the SLO), one rolled back (the SLO
-asks for more than n-gram drafting gets on this traffic). Every request sent meanwhile gets a
-complete answer, and stopping leaves no process behind."""
+router, requests through the official ``openai`` client, and rollouts judged on the canary's real
+``/metrics`` at one replica and at two: one promoted (its acceptance meets the SLO), one rolled
+back (the SLO asks for more than n-gram drafting gets on this traffic) at each. Every request sent
+meanwhile gets a complete answer, and stopping leaves no process behind."""
 from __future__ import annotations
 
 import io
@@ -28,6 +28,7 @@ from specdecode.operator.local import up
 from specdecode.operator.local.backend import specdecode_command
 from specdecode.operator.local.processes import pid_file_path, read_pid_file
 from specdecode.operator.local.store import Store
+from specdecode.operator.spec import EquivalenceState, SpecDecodeDeploymentStatus
 
 pytestmark = pytest.mark.timeout(600)
 REPO = EXAMPLES.parent
@@ -38,14 +39,27 @@ PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) 
            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
 
 
-def deployment(path: Path, *, tokens: int, min_acceptance: float) -> str:
-    """The example at one replica (a spare one for the canary), second-scale windows."""
+# Two prompts whose greedy paths pass close calls (top-2 gaps of 0.13–0.15 nats in float32, within
+# the first 10 tokens), where a bfloat16 replica of SmolLM2 on CPU takes the other branch: one a
+# probe, so that a probe stays short.
+PROBE = {"prompts": ["Complete the sequence: 2, 4, 8, 16,", "Tell me a story about a dragon."], "maxTokens": 10,
+         "promptsPerInterval": 1}
+
+
+def deployment(path: Path, *, tokens: int, min_acceptance: float, replicas: int = 1, method: str = "ngram",
+               extra_args: tuple[str, ...] = (), probe: bool = False) -> str:
+    """The example with second-scale windows: at one replica in one step, with a spare replica for
+    the canary (``maxSurge: 1``); at more in the example's steps, the canary taking a stable's place
+    (the default ``maxSurge: 0``). ``probe``: the equivalence probe on ``PROBE`` (else off)."""
     body = yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text())
-    body["spec"]["replicas"] = 1
-    body["spec"]["speculative"]["numSpeculativeTokens"] = tokens
-    body["spec"]["rollout"].update({"maxSurge": 1, "analysis": {
-        "interval": "2s", "window": "8s", "minAcceptanceRate": min_acceptance, "failureLimit": 2,
-        "inconclusiveLimit": 20}})
+    spec = body["spec"]
+    spec.update(replicas=replicas, extraArgs=list(extra_args),
+                speculative={"method": method, "numSpeculativeTokens": tokens, "verify": "rejection"})
+    spec["rollout"].update({"maxSurge": 1 if replicas == 1 else 0, "analysis": {
+        "interval": "1s", "window": "4s", "minAcceptanceRate": min_acceptance, "failureLimit": 2,
+        "inconclusiveLimit": 20, "equivalence": PROBE if probe else {"enabled": False}}})
+    if replicas == 1:
+        spec["rollout"]["steps"] = [{"weight": 100}]
     path.write_text(yaml.safe_dump(body))
     return str(path)
 
@@ -104,11 +118,32 @@ def running(tmp_path: Path) -> Iterator[Up]:
         log.close()
 
 
-def reasons(store: Store) -> list[str]:
-    return [event["reason"] for event in store.events()[0]]
+def roll_out(store: Store, path: str, ended: str) -> SpecDecodeDeploymentStatus:
+    """Applies ``path`` and waits for its rollout to end with the Event ``ended`` and for every
+    retired replica to be gone: the status then."""
+    since = len(store.events()[0])
+    up.apply(path, root=store.dir.parent)
+    wait_for(lambda: ended in [e["reason"] for e in store.events()[0][since:]], f"the canary {ended}", timeout=300)
+    return wait_for(lambda: (s := store.status()).ready_replicas == s.replicas and not s.rollout.retiring and s,
+                    "every replica of the stable ready, nothing retiring", timeout=180)
+
+
+def poor_rolled_back(store: Store, tmp_path: Path, *, tokens: int, replicas: int, stable: str) -> tuple[str, bool]:
+    """A canary whose SLO asks for more acceptance than n-gram drafting gets: rolled back, the
+    stable kept at ``replicas``; the RolledBack condition's reason, and whether it names the SLO."""
+    status = roll_out(store, deployment(tmp_path / f"poor{replicas}.yaml", tokens=tokens, min_acceptance=0.99,
+                                        replicas=replicas), "RolledBack")
+    assert status.stable_revision == stable and status.rollout.stable_replicas == replicas
+    why = next(c for c in status.conditions if c.type.value == "RolledBack")
+    return why.reason, "minAcceptanceRate 0.99" in why.message
 
 
 def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(running: Up, tmp_path: Path) -> None:
+    """At ``replicas: 1`` (``maxSurge: 1``) then at ``replicas: 2`` (``maxSurge: 0``): a canary whose
+    acceptance meets the SLO is promoted, one whose SLO asks for more than n-gram drafting gets is
+    rolled back, while requests flow through the router the whole time. At one replica the first
+    canary is n-gram → suffix, whose greedy outputs the equivalence probe finds equal to the
+    stable's (its control agreeing on CPU), and a bfloat16 replica is rolled back on its outputs."""
     store = running.store
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused", max_retries=0,
                            timeout=120)
@@ -120,23 +155,31 @@ def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(r
     traffic = Traffic(client)
     sender = threading.Thread(target=traffic.run)
     sender.start()
+    outcomes = []
     try:
-        up.apply(deployment(tmp_path / "v2.yaml", tokens=3, min_acceptance=0.05), root=store.dir.parent)
-        promoted = wait_for(lambda: "Promoted" in reasons(store) and store.status(), "the canary promoted", timeout=300)
-        assert promoted.rollout.phase.value == "Stable" and promoted.acceptance.rate > 0.05
+        suffix = roll_out(store, deployment(tmp_path / "suffix.yaml", tokens=4, min_acceptance=0.05, method="suffix",
+                                            probe=True), "Promoted")
+        probed = suffix.equivalence
+        assert probed.revision == suffix.stable_revision and probed.state is EquivalenceState.PROBING
+        assert probed.prompts_same + probed.near_ties >= 2 and "differed" not in probed.message
+        assert "EquivalenceInconclusive" not in [e["reason"] for e in store.events()[0]]  # the control agreed
 
-        up.apply(deployment(tmp_path / "v3.yaml", tokens=2, min_acceptance=0.99), root=store.dir.parent)
-        wait_for(lambda: "RolledBack" in reasons(store), "the poor canary rolled back", timeout=300)
-        wait_for(lambda: not store.status().rollout.retiring and store.status().ready_replicas == 1, "restored",
-                 timeout=120)
+        bf16 = roll_out(store, deployment(tmp_path / "bf16.yaml", tokens=4, min_acceptance=0.05, method="suffix",
+                                          extra_args=("--dtype", "bfloat16"), probe=True), "RolledBack")
+        why = next(c for c in bf16.conditions if c.type.value == "RolledBack")
+        assert why.reason == "OutputDiverged" and bf16.equivalence.state is EquivalenceState.DIVERGED
+        assert bf16.equivalence.last_divergence.prompt in PROBE["prompts"] and bf16.stable_revision == suffix.stable_revision
+
+        outcomes.append(poor_rolled_back(store, tmp_path, tokens=2, replicas=1, stable=suffix.stable_revision))
+        two = roll_out(store, deployment(tmp_path / "two.yaml", tokens=5, min_acceptance=0.05, replicas=2), "Promoted")
+        assert two.stable_revision != suffix.stable_revision and two.replicas == two.rollout.stable_replicas == 2
+        assert two.acceptance.rate > 0.05
+        outcomes.append(poor_rolled_back(store, tmp_path, tokens=6, replicas=2, stable=two.stable_revision))
     finally:
         traffic.stop.set()
         sender.join(120)
-    status = store.status()
-    rolled_back = next(c for c in status.conditions if c.type.value == "RolledBack")
-    assert rolled_back.reason == "AnalysisFailed" and "minAcceptanceRate 0.99" in rolled_back.message
-    assert status.stable_revision == promoted.stable_revision
-    assert traffic.failures == [] and traffic.answered > 10
+    assert outcomes == [("AnalysisFailed", True)] * 2
+    assert traffic.failures == [] and traffic.answered > 20
 
     children = read_pid_file(pid_file_path(store.dir, NAME)).children
     assert children

@@ -38,7 +38,7 @@ from specdecode.operator.reconcile import (
     plan,
     ready_replicas,
     running_kind,
-    scrape_targets,
+    serving_endpoints,
     status_patch,
 )
 from specdecode.operator.render import build_shared, build_workloads
@@ -310,10 +310,10 @@ def pod(name: str, ip: str | None = "10.0.0.1", ready: str = "True", port: int |
             "status": status}
 
 
-def test_scrape_targets_are_ready_pods_at_their_http_port() -> None:
+def test_serving_endpoints_are_ready_pods_at_their_http_port() -> None:
     pods = [pod("a"), pod("b", ip="fd00::1", port=9000), pod("loading", ready="False"), pod("no-ip", ip=None),
             pod("no-port", port=None), pod("leaving", deletionTimestamp="2026-01-01T00:00:00Z")]
-    assert list(scrape_targets(pods)) == [("a", "http://10.0.0.1:8000/metrics"), ("b", "http://[fd00::1]:9000/metrics")]
+    assert list(serving_endpoints(pods)) == [("a", "http://10.0.0.1:8000"), ("b", "http://[fd00::1]:9000")]
 
 
 # -- status ---------------------------------------------------------------------------------------
@@ -427,7 +427,7 @@ def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh
     assert memory.lock("llm", "demo") is memory.lock("llm", "demo")
     r = resolved()
     status = SpecDecodeDeploymentStatus(stable_revision="a", canary_revision="c")
-    no_pods = SimpleNamespace(scrape_targets=lambda *_: [])
+    no_pods = SimpleNamespace(serving_endpoints=lambda *_: [])
     verdict, history = analyse(no_pods, r, None, status, NOW, first, logging.getLogger("test"))
     assert verdict is None and history == History("c")  # another canary: its own samples
     memory.forget("llm", "demo")

@@ -10,6 +10,7 @@ from specdecode.operator import names
 from specdecode.operator.analysis import History, Measurement, MetricSnapshot, Verdict, judge
 from specdecode.operator.render import revision
 from specdecode.operator.resolve import resolve
+from specdecode.operator.equivalence import ProbeResult
 from specdecode.operator.capacity import Replicas, max_surge, max_unavailable, next_move, step_replicas
 from specdecode.operator.rollout import (
     Command,
@@ -24,6 +25,8 @@ from specdecode.operator.rollout import (
 from specdecode.operator.spec import (
     ConditionStatus,
     ConditionType,
+    EquivalenceState,
+    OutputDivergence,
     PauseCause,
     RolloutPhase,
     SpecDecodeDeploymentSpec,
@@ -70,12 +73,12 @@ class Operator:
 
     def tick(self, desired: str, verdict: Verdict | None = None, commands: dict[Command, str] | None = None,
              ready: dict[str, int] | None = None, refusal: str | None = None, analysed: bool | None = None,
-             not_ready: str | None = None) -> Transition:
+             not_ready: str | None = None, probe: ProbeResult | None = None) -> Transition:
         """One reconciliation: an analysis interval's when given a verdict (or ``analysed``); the
         route, if any, takes the weight asked for at once."""
         self.last = advance(self.status, desired, self.spec, now=self.now, ready=self.ready if ready is None else ready,
                             verdict=verdict, analysed=verdict is not None if analysed is None else analysed,
-                            commands=commands, refusal=refusal, not_ready=not_ready)
+                            commands=commands, refusal=refusal, not_ready=not_ready, probe=probe)
         self.status = weight_in_effect(self.last.status, self.last.status.rollout.canary_weight, self.spec, self.now)
         self.ready = dict(self.last.replicas)
         self.now += INTERVAL
@@ -244,6 +247,33 @@ def test_low_acceptance_rolls_back_after_failure_limit():
     fresh = op.tick("rev3")
     assert kinds(fresh) == ["RolloutStarted"] and fresh.status.rollout.rolled_back_revision is None
     assert condition(fresh.status, ConditionType.ROLLED_BACK).status == ConditionStatus.FALSE
+
+
+def test_outputs_that_diverged_roll_back_at_once_whatever_the_failure_limit():
+    op = Operator(make_spec())
+    reached = op.reach_first_step()
+    where = OutputDivergence(prompt="What is 17 times 3?", position=2, stable_token="51", other_token="52",
+                             logprob_gap=3.5)
+    near = ProbeResult("rev2", EquivalenceState.PROBING, same=3, near_ties=1, divergence=where)
+    assert op.tick("rev2", op.passing("rev2", reached), probe=near).status.canary_revision == "rev2"  # a near-tie
+    stale = ProbeResult("rev0", EquivalenceState.DIVERGED, divergence=where, message="another revision's")
+    assert op.tick("rev2", probe=stale, analysed=True).status.canary_revision == "rev2"
+    diverged = ProbeResult("rev2", EquivalenceState.DIVERGED, divergence=where, message="canary rev2 diverged: 51 ≠ 52")
+    t = op.tick("rev2", op.passing("rev2", reached), probe=diverged)  # its metrics pass: the probe decides
+    assert kinds(t) == ["OutputDiverged", "RolledBack"] and t.status.rollout.phase == RolloutPhase.ROLLED_BACK
+    rolled_back = condition(t.status, ConditionType.ROLLED_BACK)
+    assert (rolled_back.reason, rolled_back.message) == ("OutputDiverged", "canary rev2 diverged: 51 ≠ 52")
+    assert t.replicas == {"rev1": 3, "rev2": 1}  # retired, not dropped: capacity as any rollback
+
+
+def test_the_stable_model_is_recorded_whenever_no_canary_runs():
+    op = Operator(make_spec())
+    assert op.tick("rev1").status.stable_model == "smollm2-135m"
+    other = make_spec()
+    op.spec = other.model_copy(update={"model": other.model.model_copy(update={"uri": "file:///models/other.gguf"})})
+    assert op.tick("rev2").status.stable_model == "smollm2-135m"  # the canary's model is the spec's, not yet stable's
+    op.spec = make_spec()
+    assert op.tick("rev1").status.stable_model == "smollm2-135m"  # back to the stable: cancelled
 
 
 def test_a_canary_that_never_becomes_ready_rolls_back_at_the_progress_deadline():

@@ -135,8 +135,8 @@ class LocalBackend:
         self.restarts = {rep.id: rep.restarts for rep in replicas}
         return events
 
-    def scrape_targets(self, r: Resolved, observed: LocalObserved, revision_: str) -> list[tuple[str, str]]:
-        return [(rep.id, f"http://{HOST}:{rep.port}/metrics") for rep in observed.replicas
+    def serving_endpoints(self, r: Resolved, observed: LocalObserved, revision_: str) -> list[tuple[str, str]]:
+        return [(rep.id, f"http://{HOST}:{rep.port}") for rep in observed.replicas
                 if rep.ready and _revision_of(rep.id) == revision_]
 
     def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None:

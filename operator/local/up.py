@@ -316,5 +316,9 @@ def _table(rows: list[dict[str, Any]], status: SpecDecodeDeploymentStatus) -> st
                       f"{cell(row['acceptanceRate'], '.2f'):7} {cell(row['meanAcceptanceLength'], '.2f'):8} "
                       f"{cell(row['p95ItlMs'], '.0f'):8} {cell(row.get('requestsPerSecond'), '.1f'):6} "
                       f"{row['phase']:12} {cell(row['step']):4} {cell(row['weight'])}" for row in rows]
-    return "\n".join([*lines, f"ready {status.ready_replicas} of {status.replicas} replicas; {status.rollout.message}"])
+    footer = [f"ready {status.ready_replicas} of {status.replicas} replicas; {status.rollout.message}"]
+    if (eq := status.equivalence) is not None:
+        footer.append(f"equivalence of {eq.revision}: {eq.state.value}, {eq.prompts_same} prompts same, "
+                      f"{eq.near_ties} near-ties; {eq.message}")
+    return "\n".join([*lines, *footer])
 
