@@ -6,6 +6,7 @@ meanwhile gets a complete answer, and stopping leaves no process behind."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shlex
@@ -28,7 +29,7 @@ from specdecode.operator.local import up
 from specdecode.operator.local.backend import specdecode_command
 from specdecode.operator.local.processes import pid_file_path, read_pid_file
 from specdecode.operator.local.store import Store
-from specdecode.operator.spec import EquivalenceState, SpecDecodeDeploymentStatus
+from specdecode.operator.spec import EquivalenceState, OutputDivergence, SpecDecodeDeploymentStatus
 
 pytestmark = pytest.mark.timeout(600)
 REPO = EXAMPLES.parent
@@ -292,3 +293,28 @@ def test_commands_on_a_deployment_up_never_ran_say_so_and_create_nothing(tmp_pat
         with pytest.raises(FileNotFoundError, match=f"{NAME}: no such deployment"):
             run()
     assert not root.exists()
+
+
+def test_status_shows_a_row_per_revision_and_the_equivalence_probe(tmp_path: Path) -> None:
+    store = Store(tmp_path, NAME)
+    store.apply(yaml.safe_load((EXAMPLES / "smollm2-ngram.yaml").read_text()))
+    near_tie = OutputDivergence(prompt="Write a limerick about a cat.", position=4, stable_token=" tail",
+                                other_token=" heart", logprob_gap=0.057)
+    store.write_status(SpecDecodeDeploymentStatus.model_validate({
+        "stableRevision": "5e75eae315", "canaryRevision": "37aeb63f0f", "canaryStep": 0, "replicas": 2,
+        "readyReplicas": 2, "rollout": {"phase": "Progressing", "stableReplicas": 1, "canaryReplicas": 1,
+                                        "canaryWeight": 50, "message": "Pass: acceptance rate 0.587"},
+        "equivalence": {"revision": "37aeb63f0f", "state": "Probing", "promptsSame": 7, "nearTies": 1,
+                        "lastDivergence": near_tie.model_dump(by_alias=True), "message": "4 of 4 prompts gave the "
+                        "stable's tokens"}}))
+    lines = up.show_status(NAME, root=tmp_path).splitlines()
+    assert lines[0].split() == ["REVISION", "ROLE", "REPLICAS", "ACCEPT", "MEAN-LEN", "P95-ITL", "REQ/S", "PHASE",
+                                "STEP", "WEIGHT"]
+    assert lines[1].split() == ["5e75eae315", "stable", "1", "-", "-", "-", "-", "Progressing", "1", "-"]
+    assert lines[2].split() == ["37aeb63f0f", "canary", "1", "-", "-", "-", "-", "Progressing", "1", "50"]
+    assert lines[3:] == ["ready 2 of 2 replicas; Pass: acceptance rate 0.587",
+                         "equivalence of 37aeb63f0f: Probing, 7 prompts same, 1 near-ties; 4 of 4 prompts gave the "
+                         "stable's tokens",
+                         "last difference: prompt 'Write a limerick about a cat.', token 4: stable ' tail', other ' heart'"]
+    shown = json.loads(up.show_status(NAME, root=tmp_path, output="json"))
+    assert shown["status"]["equivalence"]["lastDivergence"]["logprobGap"] == 0.057

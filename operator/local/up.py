@@ -34,7 +34,7 @@ from specdecode.operator.local.traffic import Summary
 from specdecode.operator.loop import converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
 from specdecode.operator.rollout import COMMAND_ANNOTATIONS, RUNTIME_REFUSED, Command
-from specdecode.operator.spec import ConditionType, ModelScheme, SpecDecodeDeploymentStatus
+from specdecode.operator.spec import ConditionType, EquivalenceState, ModelScheme, SpecDecodeDeploymentStatus
 
 log = logging.getLogger("specdecode.up")
 TICK_SECONDS = 1.0
@@ -320,5 +320,8 @@ def _table(rows: list[dict[str, Any]], status: SpecDecodeDeploymentStatus) -> st
     if (eq := status.equivalence) is not None:
         footer.append(f"equivalence of {eq.revision}: {eq.state.value}, {eq.prompts_same} prompts same, "
                       f"{eq.near_ties} near-ties; {eq.message}")
+        if (d := eq.last_divergence) is not None and eq.state is not EquivalenceState.DIVERGED:
+            footer.append(f"last difference: prompt {d.prompt!r}, token {d.position}: stable {d.stable_token!r}, "
+                          f"other {d.other_token!r}")
     return "\n".join([*lines, *footer])
 
