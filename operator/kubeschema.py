@@ -9,7 +9,8 @@ API server when the operator writes the child.
 
 OpenAPI types a quantity as a string and states its grammar only in prose; here the grammar is
 added (``QUANTITY_PATTERN``, the one controller-gen writes into CRDs), so a volume's
-``emptyDir.sizeLimit`` is checked as ``spec.resources.limits`` is.
+``emptyDir.sizeLimit`` is checked as ``spec.resources.limits`` is. Enum-valued fields are strings
+there too; ``ENUMS`` adds their allowed values.
 """
 from __future__ import annotations
 
@@ -32,6 +33,26 @@ _QUANTITY_DEFINITION = "io.k8s.apimachinery.pkg.api.resource.Quantity"
 CORE = "io.k8s.api.core.v1."  # the definitions spec.pod passes through: Toleration, EnvVar, Volume, …
 
 UNKNOWN_FIELD = "unknown field; remove it (field names are camelCase)"
+
+# Enum-valued fields of what spec.pod passes through. The bundled schemas type them as plain
+# strings (the allowed values are only in the field descriptions), and an API server refuses a
+# child carrying another value (422), so the values are added here, each from the Kubernetes API
+# reference (https://kubernetes.io/docs/reference/kubernetes-api/), page and field named.
+ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
+    # workload-resources/pod-v1 § Scheduling, tolerations.operator ("" is Equal) and .effect ("" is all)
+    (CORE + "Toleration", "operator"): ("Exists", "Equal", ""),
+    (CORE + "Toleration", "effect"): ("NoSchedule", "PreferNoSchedule", "NoExecute", ""),
+    # workload-resources/pod-v1 § Volumes: hostPath.type ("" skips the check)
+    (CORE + "HostPathVolumeSource", "type"): ("", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket",
+                                              "CharDevice", "BlockDevice"),
+    # workload-resources/pod-v1 § Volumes: volumeMounts.mountPropagation
+    (CORE + "VolumeMount", "mountPropagation"): ("None", "HostToContainer", "Bidirectional"),
+    # common-definitions/node-selector-requirement: operator
+    (CORE + "NodeSelectorRequirement", "operator"): ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"),
+    # common-definitions/label-selector: matchExpressions.operator
+    ("io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelectorRequirement", "operator"): ("In", "NotIn", "Exists",
+                                                                                    "DoesNotExist"),
+}
 Path = tuple[str | int, ...]
 
 
@@ -84,6 +105,8 @@ def _violations(error: jsonschema.ValidationError) -> Iterable[tuple[Path, str]]
         yield path, f"must be {' or '.join(wanted)}, not {json.dumps(instance)}"
     elif error.validator == "pattern" and schema.get("pattern") == QUANTITY_PATTERN:
         yield path, f"'{instance}' {QUANTITY_HINT}"
+    elif error.validator == "enum":
+        yield path, f"'{instance}' is not one of " + ", ".join(f"'{v}'" for v in error.validator_value if v is not None)
     else:
         yield path, error.message
 
@@ -95,6 +118,8 @@ def _definitions() -> dict[str, Any]:
     document = kubernetes_validate.schema_contents(
         f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
     document["$defs"][_QUANTITY_DEFINITION] = {"type": ["string", "number", "null"], "pattern": QUANTITY_PATTERN}
+    for (definition, field), values in ENUMS.items():
+        document["$defs"][definition]["properties"][field]["enum"] = [*values, None]
     return document
 
 

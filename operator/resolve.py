@@ -320,7 +320,50 @@ def _raw_rule_errors(raw: Mapping[str, Any]) -> list[str]:
 
 
 def _rule_errors(spec: SpecDecodeDeploymentSpec, name: str) -> list[str]:
-    return _source_errors(spec) + _rollout_errors(spec) + _gpu_override_errors(spec) + _extra_args_errors(spec.extra_args)
+    return (_source_errors(spec) + _rollout_errors(spec) + _gpu_override_errors(spec)
+            + _extra_args_errors(spec.extra_args) + _pod_collision_errors(spec))
+
+
+# What the operator puts into every runtime pod itself (render.pod_template): spec.pod may not
+# name them again, or the API server refuses the child (a duplicate volume name or mount path)
+# or the runtime reads the user's value instead of the operator's (the rendezvous variables).
+OPERATOR_ENV = {
+    names.ENV_MASTER_ADDR: "the address of the parallel group's first pod",
+    names.ENV_MASTER_PORT: "the parallel group's rendezvous port",
+    names.ENV_NNODES: "the number of pods in the parallel group",
+    names.ENV_NODE_RANK: "this pod's index in the parallel group",
+    names.ENV_LWS_LEADER_ADDRESS: "LeaderWorkerSet's leader address",
+}
+OPERATOR_VOLUMES = {names.SHM_VOLUME: "/dev/shm", names.MODEL_VOLUME: "the model (spec.model.uri)",
+                    names.MTP_VOLUME: "the MTP heads (spec.speculative.mtpPath)"}
+OPERATOR_MOUNTS = {"/dev/shm": names.SHM_VOLUME, names.MODEL_MOUNT: names.MODEL_VOLUME,
+                   names.MTP_MOUNT: names.MTP_VOLUME}
+
+
+def _pod_collision_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
+    """spec.pod entries that collide with the operator's own or with each other."""
+    pod = spec.pod
+    env, volumes, mounts = ([item.get(key) for item in items] for items, key in
+                            ((pod.env, "name"), (pod.volumes, "name"), (pod.volume_mounts, "mountPath")))
+    errors = [f"spec.pod.env[{i}].name: {name} is set by the operator ({OPERATOR_ENV[name]}): use another name"
+              for i, name in enumerate(env) if name in OPERATOR_ENV]
+    errors += [f"spec.pod.volumes[{i}].name: {name} is the operator's volume for {OPERATOR_VOLUMES[name]}: "
+               "use another name" for i, name in enumerate(volumes) if name in OPERATOR_VOLUMES]
+    errors += [f"spec.pod.volumeMounts[{i}].mountPath: {path} is where the operator mounts its volume "
+               f"{OPERATOR_MOUNTS[path]}: mount elsewhere" for i, path in enumerate(mounts) if path in OPERATOR_MOUNTS]
+    for field, values in (("env", env), ("volumes", volumes)):
+        errors += _duplicates(f"spec.pod.{field}", "name", values)
+    return errors + _duplicates("spec.pod.volumeMounts", "mountPath", mounts)
+
+
+def _duplicates(path: str, key: str, values: list[Any]) -> list[str]:
+    first: dict[Any, int] = {}
+    errors = []
+    for i, value in enumerate(values):
+        if value in first:
+            errors.append(f"{path}[{i}].{key}: {value} is given already at {path}[{first[value]}]: keep one")
+        first.setdefault(value, i)
+    return errors
 
 
 def _gpu_override_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
