@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from fractions import Fraction
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -62,6 +63,30 @@ class SchemaViolations(ValueError):
     def __init__(self, kind: str, violations: list[tuple[Path, str]]) -> None:
         super().__init__(f"not a valid Kubernetes {kind}: " + "; ".join(message for _, message in violations))
         self.violations = violations
+
+
+_SUFFIXES: dict[str, Fraction] = {
+    **{suffix: Fraction(1024) ** power for power, suffix in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{suffix: Fraction(10) ** power for suffix, power in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6),
+                                                            ("G", 9), ("T", 12), ("P", 15), ("E", 18))},
+}
+_QUANTITY_PARTS = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?")
+
+
+def quantity_value(value: int | float | str) -> Fraction | None:
+    """The exact amount a Kubernetes quantity stands for (``1Gi`` and ``1024Mi`` alike, ``0.5`` and
+    ``500m``); None for what is no quantity. The API server returns quantities in its canonical
+    spelling, so what runs is compared with what we render by amount."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return Fraction(str(value))
+    match = _QUANTITY_PARTS.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        return None
+    number, exponent, suffix = match.groups()
+    scale = Fraction(10) ** int(exponent) if exponent else _SUFFIXES[suffix or ""]
+    return Fraction(number) * scale
 
 
 def check_quantity(value: int | str) -> int | str:

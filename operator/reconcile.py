@@ -37,6 +37,7 @@ from typing import Any
 import kopf
 
 from specdecode.operator import names
+from specdecode.operator.kubeschema import quantity_value
 from specdecode.operator.pods import is_ready
 from specdecode.operator.render import build_shared, build_workloads
 from specdecode.operator.resolve import Resolved
@@ -53,19 +54,25 @@ _WORKLOADS = {kind.value for kind in WorkloadKind}
 # so the API server named them after the kubernetes client's User-Agent (OpenAPI-Generator/…).
 LEGACY_MANAGERS = frozenset({"OpenAPI-Generator"})
 APPLIED_HASH_LENGTH = 16
+QUANTITY_FIELDS = frozenset({"requests", "limits", "sizeLimit"})  # a quantity, or quantities by resource name
 
 
 def key(obj: Mapping[str, Any]) -> Key:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
 
-def contains(actual: Any, desired: Any) -> bool:
-    """Whether ``actual`` already holds everything ``desired`` says (server-filled extras allowed)."""
+def contains(actual: Any, desired: Any, *, quantity: bool = False) -> bool:
+    """Whether ``actual`` already holds everything ``desired`` says (server-filled extras allowed).
+    Quantities (under ``QUANTITY_FIELDS``) compare by amount: the API server writes them back in its
+    canonical spelling (``1024Mi`` as ``1Gi``, ``0.5`` as ``500m``)."""
     if isinstance(desired, Mapping):
-        return isinstance(actual, Mapping) and all(k in actual and contains(actual[k], v) for k, v in desired.items())
+        return isinstance(actual, Mapping) and all(
+            k in actual and contains(actual[k], v, quantity=quantity or k in QUANTITY_FIELDS) for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(actual, list) and len(actual) == len(desired)
                 and all(contains(a, d) for a, d in zip(actual, desired)))
+    if quantity and (amount := quantity_value(desired)) is not None:
+        return quantity_value(actual) == amount
     return actual == desired
 
 

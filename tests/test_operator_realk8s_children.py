@@ -1,11 +1,13 @@
-"""What the operator writes to its children, on the real control plane (issue 19 items 2 and 3):
+"""What the operator writes to its children, on the real control plane (issue 19 items 2 and 3;
+issue 30 item 5):
 
 - children applied under one field manager: a field removed from the spec disappears from them,
   also from children an earlier operator version created and merge-patched (their fields are
   handed over to our apply first), while another manager's fields stay;
 - the multi-pod workload kind chosen once: the LeaderWorkerSet API registered mid-life starts no
   canary and never moves the traffic Service off the running pods; the workload-kind annotation
-  changes it through a rollout; a LeaderWorkerSet canary rolled back is deleted.
+  changes it through a rollout; a LeaderWorkerSet canary rolled back is deleted;
+- quantities the API server writes back in its own spelling are not applied again.
 
 No LeaderWorkerSet controller runs: ``LeaderWorkerSets`` reports their groups ready, as the
 ``workloads`` stand-in does for Deployments and StatefulSets.
@@ -83,6 +85,35 @@ def test_a_field_removed_from_the_spec_disappears_from_the_children(cluster: Rea
                   "the annotation removed with the spec's")
     assert {k: annotations(cluster, "ch-removed").get(k) for k in ("keep", "team")} == {"keep": "1", "team": "ml"}
     cluster.settled("ch-removed")
+
+
+# -- issue 30 item 5: quantities come back in the API server's spelling --------------------------
+
+
+def test_quantities_the_api_server_respells_are_not_applied_again(cluster: RealCluster) -> None:
+    """The API server stores ``1024Mi`` as ``1Gi`` and ``0.5`` as ``500m``: reconciling an
+    unchanged spec again writes nothing to the children (their writes counted in the audit log)."""
+    body = example("ch-quantities")
+    body["spec"]["resources"] = {"gpusPerPod": 0, "requests": {"cpu": "0.5", "memory": "1024Mi"},
+                                 "limits": {"memory": "4096Mi"}, "shmSize": "2048Mi"}
+    cluster.create(body)
+    cluster.settled("ch-quantities")
+    deployment = cluster.apps.read_namespaced_deployment(names.workload_name("ch-quantities", cluster.status(
+        "ch-quantities")["stableRevision"]), NS)
+    assert deployment.spec.template.spec.containers[0].resources.limits["memory"] == "4Gi"  # respelled
+
+    def writes() -> list[str]:
+        return [e["objectRef"]["resource"] for e in cluster.operator_requests()
+                if e["verb"] in ("patch", "update", "create") and e["objectRef"].get("resource") != "events"
+                and e["objectRef"].get("name", "").startswith("ch-quantities") and not e["objectRef"].get("subresource")]
+
+    before = len(writes())
+    for note in ("1", "2", "3"):  # three more reconciliations of the same spec
+        cluster.patch("ch-quantities", {"metadata": {"annotations": {"note": note}}, "spec": {"replicas": 2}})
+        cluster.until(lambda: cluster.get("ch-quantities")["metadata"]["annotations"].get("note") == note, "patched")
+        cluster.settled("ch-quantities")
+    again = writes()[before:]
+    assert again.count("deployments") == 0 and again.count("services") == 0, again
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from specdecode.operator.controller import (
     webhook_server,
 )
 from specdecode.operator.loop import analyse
+from specdecode.operator.kubeschema import quantity_value
 from specdecode.operator.reconcile import (
     CHILD_REFUSED,
     INVALID_SPEC,
@@ -432,3 +433,17 @@ def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh
     assert verdict is None and history == History("c")  # another canary: its own samples
     memory.forget("llm", "demo")
     assert memory.history("llm", "demo") is None
+
+
+@pytest.mark.parametrize(("ours", "theirs", "same"), [
+    ("1024Mi", "1Gi", True), ("0.5", "500m", True), ("1000m", "1", True), (2, "2", True), ("1e3", "1k", True),
+    ("1G", "1Gi", False), ("500m", "0.4", False), ("1Gi", None, False),
+])
+def test_quantities_compare_by_amount_where_kubernetes_keeps_quantities(ours, theirs, same) -> None:
+    """The API server writes a quantity back in its canonical spelling; elsewhere strings compare as written."""
+    assert quantity_value(ours) is not None
+    desired = {"resources": {"limits": {"memory": ours}}, "volumes": [{"emptyDir": {"sizeLimit": ours}}]}
+    actual = {"resources": {"limits": {"memory": theirs}}, "volumes": [{"emptyDir": {"sizeLimit": theirs}}]}
+    assert contains(actual, desired) is same
+    assert contains({"metadata": {"labels": {"size": theirs}}}, {"metadata": {"labels": {"size": ours}}}) is (
+        ours == theirs)
