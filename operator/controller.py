@@ -33,8 +33,8 @@ from typing import Any
 import kopf
 
 from specdecode.operator import kube, names
-from specdecode.operator.analysis import History, Verdict
-from specdecode.operator.loop import Observed, Outcome, converge
+from specdecode.operator.analysis import Verdict
+from specdecode.operator.loop import Carried, Observed, Outcome, converge
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
     INVALID_SPEC,
@@ -143,30 +143,31 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, logger: l
 
 
 class Memory:
-    """A lock per resource and the canary's samples (lost on restart: see analysis.py)."""
+    """A lock per resource and what one reconciliation hands the next (``loop.Carried``: the
+    canary's samples and a probe in flight; lost on restart, see analysis.py)."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._histories: dict[tuple[str, str], History] = {}
+        self._carried: dict[tuple[str, str], Carried] = {}
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def history(self, namespace: str, name: str) -> History | None:
-        return self._histories.get((namespace, name))
+    def carried(self, namespace: str, name: str) -> Carried:
+        return self._carried.get((namespace, name), Carried())
 
-    def keep(self, namespace: str, name: str, history: History | None) -> None:
-        if history is None:
-            self._histories.pop((namespace, name), None)
+    def keep(self, namespace: str, name: str, carried: Carried) -> None:
+        if carried == Carried():
+            self._carried.pop((namespace, name), None)
         else:
-            self._histories[namespace, name] = history
+            self._carried[namespace, name] = carried
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:
             self._locks.pop((namespace, name), None)
-            self._histories.pop((namespace, name), None)
+            self._carried.pop((namespace, name), None)
 
 
 @dataclass
@@ -234,10 +235,10 @@ def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentS
 def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDecodeDeploymentStatus,
               now: datetime, logger: logging.Logger, *, analyze: bool) -> None:
     meta = body["metadata"]
-    history = ctx.memory.history(r.namespace, r.name)
     done = converge(KubeBackend(ctx.cluster, body, logger), r, status, annotations=meta.get("annotations"),
-                    generation=meta.get("generation"), now=now, history=history, logger=logger, analyze=analyze)
-    ctx.memory.keep(r.namespace, r.name, done.history)
+                    generation=meta.get("generation"), now=now, carried=ctx.memory.carried(r.namespace, r.name),
+                    logger=logger, analyze=analyze)
+    ctx.memory.keep(r.namespace, r.name, done.carried)
     _record(ctx.metrics, r, status, done.status, done.verdict)
 
 

@@ -18,13 +18,16 @@ are not batch-invariant), nothing can be proven, and the probe is ``Inconclusive
 failure. Otherwise a canary that diverged is rolled back at once (``OutputDiverged``).
 
 The prompts (``PROBE_PROMPTS`` or the spec's) are taken ``promptsPerInterval`` at a time, in turn,
-continuing where the last interval stopped. A canary on another model (``spec.model.uri`` other
+continuing where the last interval stopped. A probe runs on a thread of its own (``Probing``): the
+loop starts one at an analysis interval when none runs, and reads its result at the first
+interval after it ended. A canary on another model (``spec.model.uri`` other
 than the stable's) is not probed: its status says so (``Skipped``).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -172,6 +175,27 @@ def probe(stable_url: str, canary_url: str, *, revision: str, model: str, prompt
                        divergence=near[-1].divergence if near else None,
                        message=f"{len(tests) - len(near)} of {len(tests)} prompts gave the stable's tokens"
                                + (f", {len(near)} differed first at a near-tie" if near else ""))
+
+
+class Probing:
+    """One probe running on a thread of its own, so that the loop that started it (and the
+    analysis samples it takes every interval) never waits for a generation: ``result()`` is None
+    until it has ended. A probe that raised ends inconclusive, with the error."""
+
+    def __init__(self, revision: str, run: Callable[[], ProbeResult]) -> None:
+        self.revision = revision
+        self._result: ProbeResult | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), name=f"probe-{revision}", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], ProbeResult]) -> None:
+        try:
+            self._result = run()
+        except Exception as exc:  # noqa: BLE001 - any failure is this probe's verdict, never the loop's
+            self._result = ProbeResult(self.revision, EquivalenceState.INCONCLUSIVE, message=f"probe failed: {exc!r}")
+
+    def result(self) -> ProbeResult | None:
+        return None if self._thread.is_alive() else self._result
 
 
 def _where(d: OutputDivergence | None) -> str:

@@ -84,23 +84,35 @@ class Backend(Protocol[O]):
 
 
 @dataclass(frozen=True)
+class Carried:
+    """What one pass hands the next (the caller keeps it; lost on restart): the canary's samples
+    and the equivalence probe in flight."""
+
+    history: History | None = None
+    probing: equivalence.Probing | None = None
+
+
+@dataclass(frozen=True)
 class Converged:
     status: SpecDecodeDeploymentStatus
     verdict: Verdict | None
-    history: History | None  # the canary's samples, to pass to the next call
+    carried: Carried  # to pass to the next call
 
 
 def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatus, *,
              annotations: Mapping[str, str] | None, generation: int | None, now: datetime,
-             history: History | None, logger: logging.Logger, analyze: bool) -> Converged:
+             carried: Carried, logger: logging.Logger, analyze: bool) -> Converged:
     """One pass of the loop (the module docstring); ``analyze``: this is the analysis interval's."""
     observed = backend.observe(r, status)
+    history, probing = carried.history, carried.probing
     verdict, history = analyse(backend, r, observed, status, now, history, logger) if analyze else (None, history)
-    probed = probe_outputs(backend, r, observed, status) if analyze else None
+    probed, probing = probe_outputs(backend, r, observed, status, probing) if analyze else (None, probing)
     canary = status.canary_revision
+    seen = equivalence.recorded(status.equivalence, probed) if probed is not None else status.equivalence
     t = advance(status, observed.revision, r.spec, now=now, ready=observed.ready, verdict=verdict, analysed=analyze,
                 commands=read_commands(annotations), refusal=runtime_refusal(observed.pods),
-                not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None, probe=probed)
+                not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None, probe=probed,
+                outputs_checked=_outputs_checked(r, status, seen))
     outcome = backend.carry_out(r, observed, t)
     weight = t.status.rollout.canary_weight
     settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
@@ -108,7 +120,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
                                      **outcome.status})
     events = [*t.events, *outcome.events]
     if probed is not None:
-        new = new.model_copy(update={"equivalence": equivalence.recorded(status.equivalence, probed)})
+        new = new.model_copy(update={"equivalence": seen})
         events += _probe_events(status.equivalence, probed)
     if outcome.refused:
         message = "; ".join(outcome.refused)
@@ -119,7 +131,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
         backend.write_status(r, new)
     backend.remove_annotations(r, t.consumed_annotations)
     backend.post_events(r, events)
-    return Converged(new, verdict, history)
+    return Converged(new, verdict, Carried(history, probing))
 
 
 # -- analysis -----------------------------------------------------------------------------------
@@ -150,25 +162,44 @@ def analyse(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDep
     return judge(measurement, analysis, speculative=r.spec.speculative.method is not SpeculativeMethod.NONE), history
 
 
-def probe_outputs(backend: Backend[O], r: Resolved, observed: O,
-                  status: SpecDecodeDeploymentStatus) -> equivalence.ProbeResult | None:
-    """The equivalence probe of a progressing canary, on its first ready replica against the
-    stable's first (None: nothing to probe this interval)."""
+def probe_outputs(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDeploymentStatus,
+                  probing: equivalence.Probing | None
+                  ) -> tuple[equivalence.ProbeResult | None, equivalence.Probing | None]:
+    """The result of the canary's equivalence probe that has ended (None: none has), and the probe
+    in flight after this call: a new one, on the canary's first ready replica against the stable's
+    first, when none runs and a progressing canary can be probed."""
     canary, config = status.canary_revision, r.spec.rollout.analysis.equivalence
+    ended = probing.result() if probing is not None else None
+    if probing is not None and ended is None:
+        return None, probing
+    ended = ended if ended is not None and ended.revision == canary else None
     if (canary is None or canary != observed.revision or status.stable_revision is None or config.enabled is False
-            or status.rollout.phase is not RolloutPhase.PROGRESSING):
-        return None
+            or status.rollout.phase is not RolloutPhase.PROGRESSING
+            or (ended is not None and ended.state is EquivalenceState.DIVERGED)):
+        return ended, None
     if status.stable_model != r.spec.model.uri:
         return equivalence.skipped(canary, "the stable revision's model is not known yet" if status.stable_model is None
                                    else f"the canary serves model {r.spec.model.uri}, the stable {status.stable_model}: "
-                                        "outputs of two models are not compared")
+                                        "outputs of two models are not compared"), None
     stable, new = (backend.serving_endpoints(r, observed, rev) for rev in (status.stable_revision, canary))
-    if not stable or not new:
-        return None
-    done = status.equivalence.prompts_same + status.equivalence.near_ties if (
-        status.equivalence is not None and status.equivalence.revision == canary) else 0
-    return equivalence.probe(stable[0][1], new[0][1], revision=canary, model=r.spec.model.served_name or r.name,
-                             prompts=equivalence.prompts_for(config, done), config=config)
+    if not stable or not new:  # one side starting, or (at a reached step) none to reach, e.g. no stable at 100 %
+        reached = status.rollout.step_started_at is not None
+        missing = "stable replica to compare with" if not stable else "canary replica to probe"
+        return ended or (equivalence.skipped(canary, f"no ready {missing}") if reached else None), None
+    seen = status.equivalence if status.equivalence is not None and status.equivalence.revision == canary else None
+    done = seen.prompts_same + seen.near_ties if seen is not None else 0
+    if ended is not None:
+        done += ended.same + ended.near_ties
+    prompts, model = equivalence.prompts_for(config, done), r.spec.model.served_name or r.name
+    return ended, equivalence.Probing(canary, lambda: equivalence.probe(
+        stable[0][1], new[0][1], revision=canary, model=model, prompts=prompts, config=config))
+
+
+def _outputs_checked(r: Resolved, status: SpecDecodeDeploymentStatus, seen: EquivalenceStatus | None) -> bool:
+    """Whether the canary may pass a step as far as its outputs go: the probe is off, or a probe of
+    it has ended or was skipped (another model, no stable replica to compare with)."""
+    return r.spec.rollout.analysis.equivalence.enabled is False or (
+        seen is not None and seen.revision == status.canary_revision)
 
 
 def _probe_events(before: EquivalenceStatus | None, result: equivalence.ProbeResult) -> list[Event]:

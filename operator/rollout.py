@@ -33,7 +33,8 @@ Semantics:
   the old stable's workloads (the surge's share, if any) go.
 - An equivalence probe (``equivalence``) whose canary's greedy outputs diverged from the
   stable's rolls the canary back at once, whatever ``failureLimit`` (OutputDiverged, with the
-  prompt, the position and both tokens). ``status.stableModel`` records the stable's
+  prompt, the position and both tokens); no step passes before a probe of the canary has ended
+  (``outputs_checked``), unless none can run. ``status.stableModel`` records the stable's
   ``model.uri`` whenever no canary runs, so a canary is probed only on the same model.
 - **Capacity**: a rollback, an abort, a new edit or a change back to the stable *retires* the
   canary (``rollout.retiring``): it keeps its replicas, serving, and shrinks only as the stable
@@ -193,19 +194,20 @@ class _State:
 def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: SpecDecodeDeploymentSpec, *,
             now: datetime, ready: Mapping[str, int], verdict: Verdict | None = None, analysed: bool = False,
             commands: Mapping[Command, str] | None = None, refusal: str | None = None,
-            not_ready: str | None = None, probe: ProbeResult | None = None) -> Transition:
+            not_ready: str | None = None, probe: ProbeResult | None = None, outputs_checked: bool = True) -> Transition:
     """The next status, workloads and events (see the module docstring). ``ready``: ready
     replicas (whole parallel groups) per revision, as observed; ``analysed``: this call is the
     analysis interval's; ``commands``: ``read_commands``; ``refusal``: ``pods.runtime_refusal`` of
     the resource's pods; ``not_ready``: ``pods.not_ready_reason`` of the canary's; ``probe``: the
-    interval's equivalence probe of the canary."""
+    interval's equivalence probe of the canary; ``outputs_checked``: a probe of the canary has
+    ended, or none can run (until then no step passes)."""
     state = _State(status.stable_revision, status.canary_revision, status.canary_step, status.rollout,
                    status.acceptance, status.commands, refusal=refusal)
     if refusal is not None and not any(c.reason == RUNTIME_REFUSED for c in status.conditions):
         state.emit(EventType.WARNING, RUNTIME_REFUSED, refusal)
     _follow_spec(state, desired_revision, spec)
     _obey(state, commands or {}, desired_revision, spec)
-    _judge(state, spec, ready, verdict, analysed, not_ready, probe)
+    _judge(state, spec, ready, verdict, analysed, not_ready, probe, outputs_checked)
     replicas = _scale(state, spec, ready, now)
     state.update(canary_weight=_route_weight(state, spec, ready, replicas, restored=bool(status.rollout.retiring)))
     new_status = status.model_copy(update={
@@ -422,7 +424,7 @@ def _promote(s: _State, how: str) -> None:
 
 
 def _judge(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], verdict: Verdict | None,
-           analysed: bool, not_ready: str | None, probe: ProbeResult | None) -> None:
+           analysed: bool, not_ready: str | None, probe: ProbeResult | None, outputs_checked: bool) -> None:
     """A canary whose outputs diverged from the stable's is rolled back at once; an analysis
     interval with a canary short of ready replicas at its reached step fails; otherwise the
     verdict, if any, counts."""
@@ -440,10 +442,10 @@ def _judge(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
         why = f"{seen} of {wanted} canary replicas ready at step {s.step + 1}: {not_ready or 'no reason reported'}"
         _fail(s, spec, CANARY_NOT_READY, why, f"{Result.FAIL.value}: {why}")
     elif verdict is not None:
-        _weigh(s, verdict, spec)
+        _weigh(s, verdict, spec, outputs_checked)
 
 
-def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec) -> None:
+def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec, outputs_checked: bool) -> None:
     """Count one analysis verdict of the canary: a verdict on another revision is stale, one from
     before the step's weight took effect does not count yet; a failure counts once the window
     reaches past that moment, a window without data or a pass only when it began after it."""
@@ -466,8 +468,9 @@ def _weigh(s: _State, verdict: Verdict, spec: SpecDecodeDeploymentSpec) -> None:
                    f"canary has traffic and its metrics can be read, set {names.ANNOTATION_RESUME} to a new value, "
                    "or promote or abort")
     else:
-        s.update(consecutive_failures=0, consecutive_inconclusive=0, message=verdict.message)
-        if verdict.complete and verdict.measurement.start >= since:
+        waiting = "" if outputs_checked else "; waiting for the equivalence probe's first result"
+        s.update(consecutive_failures=0, consecutive_inconclusive=0, message=verdict.message + waiting)
+        if verdict.complete and verdict.measurement.start >= since and outputs_checked:
             _next_step(s, spec, reasons)
 
 

@@ -5,6 +5,7 @@ rolls back at once, a near-tie is shown, a control that disagrees with itself is
 model change is skipped."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from specdecode.operator.equivalence import (
     Match,
     Output,
     ProbeResult,
+    Probing,
     compare,
     output_of,
     probe,
@@ -157,6 +159,17 @@ def test_a_probe_whose_requests_fail_is_inconclusive(stand_ins: list[HttpStandIn
     gone.close()
     result = probe(stable.url, gone.url, revision="rev2", model="m", prompts=["p"], config=Equivalence(), timeout=5)
     assert result.state is EquivalenceState.INCONCLUSIVE and result.message.startswith("probe requests failed: ")
+
+
+def test_a_probe_runs_on_its_own_thread_and_one_that_raises_is_inconclusive():
+    release = threading.Event()
+    running = Probing("rev2", lambda: release.wait(5) and ProbeResult("rev2", EquivalenceState.PROBING, same=1))
+    assert running.result() is None  # the caller never waits for it
+    release.set()
+    assert wait_for(running.result, "the probe ended").same == 1
+    broken = Probing("rev2", lambda: 1 / 0)
+    ended = wait_for(broken.result, "the broken probe ended")
+    assert ended.state is EquivalenceState.INCONCLUSIVE and "ZeroDivisionError" in ended.message
 
 
 # -- the operator acting on it (emulator tier) --------------------------------------------------

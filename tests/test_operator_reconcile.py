@@ -23,7 +23,7 @@ from specdecode.operator.controller import (
     peering_priority,
     webhook_server,
 )
-from specdecode.operator.loop import analyse
+from specdecode.operator.loop import Carried, analyse
 from specdecode.operator.kubeschema import quantity_value
 from specdecode.operator.reconcile import (
     CHILD_REFUSED,
@@ -423,8 +423,8 @@ def test_operator_metrics_follow_the_status_and_are_forgotten_with_the_resource(
 def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh() -> None:
     memory = Memory()
     first = History("b").record("pod", NOW, MetricSnapshot(drafts=1), keep=timedelta(minutes=1))
-    memory.keep("llm", "demo", first)
-    assert memory.history("llm", "demo") is first
+    memory.keep("llm", "demo", Carried(history=first))
+    assert memory.carried("llm", "demo").history is first
     assert memory.lock("llm", "demo") is memory.lock("llm", "demo")
     r = resolved()
     status = SpecDecodeDeploymentStatus(stable_revision="a", canary_revision="c")
@@ -432,7 +432,7 @@ def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh
     verdict, history = analyse(no_pods, r, None, status, NOW, first, logging.getLogger("test"))
     assert verdict is None and history == History("c")  # another canary: its own samples
     memory.forget("llm", "demo")
-    assert memory.history("llm", "demo") is None
+    assert memory.carried("llm", "demo") == Carried()
 
 
 @pytest.mark.parametrize(("ours", "theirs", "same"), [

@@ -31,7 +31,7 @@ from specdecode.operator.local.processes import AlreadyRunning, Supervisor, pid_
 from specdecode.operator.local.router import Router, RouterThread
 from specdecode.operator.local.store import Store, default_root
 from specdecode.operator.local.traffic import Summary
-from specdecode.operator.loop import converge
+from specdecode.operator.loop import Carried, converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
 from specdecode.operator.rollout import COMMAND_ANNOTATIONS, RUNTIME_REFUSED, Command
 from specdecode.operator.spec import ConditionType, EquivalenceState, ModelScheme, SpecDecodeDeploymentStatus
@@ -164,7 +164,7 @@ class _Loop:
 
     def __init__(self, path: str, store: Store, backend: LocalBackend, out: TextIO) -> None:
         self.path, self.store, self.backend, self.out = path, store, backend, out
-        self.watched, self.history, self.next_analysis = _mtime(path), None, 0.0
+        self.watched, self.carried, self.next_analysis = _mtime(path), Carried(), 0.0
         self.shown = 0  # bytes of the event log printed
         self.table, self.table_at, self.served = "", 0.0, False
         self.rates = Rates()
@@ -187,8 +187,8 @@ class _Loop:
             self.next_analysis = now + duration_seconds(r.spec.rollout.analysis.interval)
         done = converge(self.backend, r, status, annotations=body["metadata"].get("annotations"),
                         generation=body["metadata"].get("generation"), now=datetime.now(timezone.utc),
-                        history=self.history, logger=log, analyze=analyze)
-        self.history, self.served = done.history, self.served or done.status.ready_replicas > 0
+                        carried=self.carried, logger=log, analyze=analyze)
+        self.carried, self.served = done.carried, self.served or done.status.ready_replicas > 0
         self._print(done.status, now)
         return done.status
 
