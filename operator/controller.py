@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+import kubernetes
 
 from specdecode.operator import kube, names
 from specdecode.operator.analysis import Verdict
@@ -344,9 +345,16 @@ def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None,
         change = route_patch(route, r, canary_weight)
     except RouteError as exc:
         return [str(exc)], True
-    if change is not None and not cluster.patch_unless_changed(change):
-        logger.info("HTTPRoute %s changed meanwhile: weights set on the next reconciliation", routing.http_route)
-        return [], False
+    try:
+        if change is not None and not cluster.patch_unless_changed(change):
+            logger.info("HTTPRoute %s changed meanwhile: weights set on the next reconciliation", routing.http_route)
+            return [], False
+    except kubernetes.client.ApiException as exc:
+        if not 400 <= exc.status < 500:
+            raise
+        why = kube.Refused.of(exc)
+        return [f"HTTPRoute {routing.http_route} refused the weights (HTTP {exc.status}: {why}): traffic follows "
+                "the replica ratio"], True
     return [], True
 
 

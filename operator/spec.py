@@ -159,8 +159,8 @@ class TrafficRouting(Shared):
     http_route: str = Field(
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253,
         description="an HTTPRoute (gateway.networking.k8s.io/v1) in this namespace. Each of its rules whose "
-        "backends are this resource's Services (or that has none) gets the stable and canary Services as "
-        "backends, weighted by the current step; other rules are left alone",
+        "backends are all this resource's Services gets the stable and canary Services as backends, weighted by "
+        "the current step; other rules (one without backends, e.g. a redirect, too) are left alone",
     )
 
 

@@ -2,8 +2,9 @@
 
 The operator does not create routes: a route belongs to whoever runs the Gateway (hostnames,
 paths, filters, which Gateway). It rewrites the ``backendRefs`` of the rules that point at this
-resource — at its Service, at its stable and canary Services, or at nothing yet — to the stable
-and canary Services weighted by ``status.rollout.canaryWeight``; other rules and every other
+resource — at its Service, or at its stable and canary Services — to the stable and canary
+Services weighted by ``status.rollout.canaryWeight``; other rules (a rule without backends, such as
+a RequestRedirect, included: Gateway API v1 refuses backends beside a redirect) and every other
 field stay as they are. The merge patch carries the route's ``resourceVersion``: an edit made in
 between wins (409), and the next reconciliation sets the weights again.
 
@@ -33,11 +34,12 @@ def backends(r: Resolved, canary_weight: int) -> list[Obj]:
 
 
 def _ours(rule: Mapping[str, Any], r: Resolved) -> bool:
-    """Whether every backend of ``rule`` is one of this resource's Services (true without any)."""
+    """Whether ``rule`` has backends, each one of this resource's Services."""
     services = {names.service_name(r.name), names.stable_service_name(r.name), names.canary_service_name(r.name)}
-    return all(ref.get("group", "") == "" and ref.get("kind", "Service") == "Service"
-               and ref.get("namespace", r.namespace) == r.namespace and ref.get("name") in services
-               for ref in rule.get("backendRefs") or [])
+    refs = rule.get("backendRefs") or []
+    return bool(refs) and all(ref.get("group", "") == "" and ref.get("kind", "Service") == "Service"
+                              and ref.get("namespace", r.namespace) == r.namespace and ref.get("name") in services
+                              for ref in refs)
 
 
 def route_patch(route: Mapping[str, Any], r: Resolved, canary_weight: int) -> Obj | None:

@@ -1,9 +1,13 @@
 """traffic: the weights the operator sets on the user's HTTPRoute (pure; the controller applies them)."""
+import json
+import logging
 from typing import Any
 
+import kubernetes
 import pytest
 
 from specdecode.operator import names
+from specdecode.operator.controller import _route
 from specdecode.operator.resolve import Resolved, resolve
 from specdecode.operator.traffic import RouteError, backends, route_patch
 
@@ -31,15 +35,21 @@ CHAT = {"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendR
 OTHER = {"matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}], "backendRefs": [ref("admin-ui")]}
 
 
+# Gateway API v1 refuses backendRefs beside a RequestRedirect filter (422): such a rule is never ours.
+REDIRECT = {"matches": [{"path": {"type": "PathPrefix", "value": "/old"}}],
+            "filters": [{"type": "RequestRedirect", "requestRedirect": {"path": {"type": "ReplaceFullPath",
+                                                                               "replaceFullPath": "/v1"}}}]}
+
+
 def test_rules_pointing_at_this_resource_get_the_weighted_services() -> None:
-    patch = route_patch(route(CHAT, OTHER, {"filters": []}), resolved(), 30)
+    patch = route_patch(route(CHAT, OTHER, REDIRECT, {"filters": []}), resolved(), 30)
     assert patch["metadata"] == {"name": "gateway", "namespace": "llm", "resourceVersion": "41"}
     assert set(patch) == {"apiVersion", "kind", "metadata", "spec"} and set(patch["spec"]) == {"rules"}
-    chat, other, empty = patch["spec"]["rules"]
+    chat, other, redirect, empty = patch["spec"]["rules"]
     weighted = [{"name": "demo-stable", "port": 8000, "weight": 70}, {"name": "demo-canary", "port": 8000, "weight": 30}]
     assert chat == {"matches": CHAT["matches"], "backendRefs": weighted}  # matches kept
     assert other == OTHER  # another application's rule is left alone
-    assert empty == {"filters": [], "backendRefs": weighted}  # a rule without backends is ours to fill
+    assert (redirect, empty) == (REDIRECT, {"filters": []})  # rules without backends too
 
 
 def test_nothing_to_do_when_the_weights_are_set_even_with_server_defaults() -> None:
@@ -54,6 +64,7 @@ def test_a_route_without_a_rule_of_ours_is_reported() -> None:
         {"backendRefs": [ref("demo", namespace="elsewhere")]},
         {"backendRefs": [ref("demo", kind="ServiceImport", group="multicluster.x-k8s.io")]},
         {"backendRefs": [ref("demo"), ref("admin-ui")]},  # shared with something else: not ours to rewrite
+        REDIRECT, {"matches": CHAT["matches"]},  # no backends: nothing says they are ours
     ]
     with pytest.raises(RouteError, match="HTTPRoute gateway has no rule whose backends are Service demo"):
         route_patch(route(*foreign), resolved(), 0)
@@ -62,3 +73,31 @@ def test_a_route_without_a_rule_of_ours_is_reported() -> None:
 def test_backends_use_the_service_port() -> None:
     assert [b["port"] for b in backends(resolved(port=80), 10)] == [80, 80]
     assert [b["weight"] for b in backends(resolved(), 0)] == [100, 0]
+
+
+def test_a_route_the_api_server_refuses_is_a_status_warning_not_a_crash() -> None:
+    """A policy engine or validation answering the route patch with a 4xx: the weights are not
+    set, status says why, traffic follows the replica ratio; the reconciliation goes on."""
+    refusal = kubernetes.client.ApiException(status=422, reason="Unprocessable Entity")
+    refusal.body = json.dumps({"kind": "Status", "message": 'HTTPRoute.gateway.networking.k8s.io "gateway" is '
+                               'invalid: spec.rules[0]: Invalid value: "object": RequestRedirect filter must not be '
+                               'used together with backendRefs'})
+
+    class Refusing:
+        def serves(self, _: str) -> bool:
+            return True
+
+        def read(self, *_: Any) -> dict[str, Any]:
+            return route(CHAT)
+
+        def patch_unless_changed(self, _: dict[str, Any]) -> bool:
+            raise refusal
+
+    warnings, in_effect = _route(Refusing(), resolved(), 30, logging.getLogger("test"))
+    assert in_effect and warnings == [
+        "HTTPRoute gateway refused the weights (HTTP 422: HTTPRoute.gateway.networking.k8s.io \"gateway\" is invalid: "
+        "spec.rules[0]: Invalid value: \"object\": RequestRedirect filter must not be used together with "
+        "backendRefs): traffic follows the replica ratio"]
+    refusal.status = 503
+    with pytest.raises(kubernetes.client.ApiException):  # not the route's answer: kopf retries
+        _route(Refusing(), resolved(), 30, logging.getLogger("test"))
