@@ -203,12 +203,15 @@ def _outputs_checked(r: Resolved, status: SpecDecodeDeploymentStatus, seen: Equi
 
 
 def _probe_events(before: EquivalenceStatus | None, result: equivalence.ProbeResult) -> list[Event]:
-    """An Event when the probe of a revision turns inconclusive or is skipped (a divergence is
-    the rollback's own Event)."""
+    """An Event when the probe of a revision turns inconclusive because the stable disagreed with
+    itself, or is skipped (a divergence is the rollback's own Event). A probe whose requests
+    failed (a replica the rollout itself is stopping, a runtime that wants an API key) says so in
+    status only: the next interval probes again."""
     kinds = {EquivalenceState.INCONCLUSIVE: (EventType.WARNING, "EquivalenceInconclusive"),
              EquivalenceState.SKIPPED: (EventType.NORMAL, "EquivalenceSkipped")}
     unchanged = before is not None and before.revision == result.revision and before.state is result.state
-    if result.state not in kinds or unchanged:
+    failed = result.state is EquivalenceState.INCONCLUSIVE and result.divergence is None
+    if result.state not in kinds or unchanged or failed:
         return []
     kind, reason = kinds[result.state]
     return [Event(kind, reason, f"canary {result.revision}: {result.message}")]

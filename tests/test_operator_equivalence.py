@@ -34,6 +34,7 @@ from specdecode.operator.equivalence import (
     prompts_for,
     recorded,
 )
+from specdecode.operator.loop import _probe_events
 from specdecode.operator.spec import Equivalence, EquivalenceState, OutputDivergence
 
 GAP = Equivalence().near_tie_logprob_gap  # 0.1 nats, fixed by the issue before any test
@@ -243,3 +244,14 @@ def test_a_model_change_is_not_probed_and_says_so(cluster: Cluster, stand_ins: l
     assert stable_pod.calls == canary_pod.calls == []  # nothing was sent to either
     wait_for(lambda: [r for _, r, _ in cluster.events("smollm2-ngram")].count("EquivalenceSkipped") == 1,
              "one Event EquivalenceSkipped")
+
+
+def test_only_a_disagreeing_control_or_a_skip_makes_an_event():
+    where = OutputDivergence(prompt="p", position=0, stable_token="a", other_token="b", logprob_gap=1.0)
+    control = ProbeResult("rev2", EquivalenceState.INCONCLUSIVE, divergence=where, message="the stable disagreed")
+    failed = ProbeResult("rev2", EquivalenceState.INCONCLUSIVE, message="probe requests failed: HTTP 503")
+    skipped = ProbeResult("rev2", EquivalenceState.SKIPPED, message="no ready stable replica to compare with")
+    assert [e.reason for e in _probe_events(None, control)] == ["EquivalenceInconclusive"]
+    assert _probe_events(None, failed) == []  # a replica going away mid-probe: status says so, no Warning
+    assert [e.reason for e in _probe_events(recorded(None, control), skipped)] == ["EquivalenceSkipped"]
+    assert _probe_events(recorded(None, skipped), skipped) == []  # once per state
