@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from fractions import Fraction
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Annotated, Any
 
 import jsonschema
@@ -70,7 +70,7 @@ _SUFFIXES: dict[str, Fraction] = {
     **{suffix: Fraction(10) ** power for suffix, power in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6),
                                                             ("G", 9), ("T", 12), ("P", 15), ("E", 18))},
 }
-_QUANTITY_PARTS = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?")
+_NUMBER = re.compile(r"[+-]?[0-9]*\.?[0-9]*")
 
 
 def quantity_value(value: int | float | str) -> Fraction | None:
@@ -81,11 +81,11 @@ def quantity_value(value: int | float | str) -> Fraction | None:
         return None
     if isinstance(value, (int, float)):
         return Fraction(str(value))
-    match = _QUANTITY_PARTS.fullmatch(value.strip()) if isinstance(value, str) else None
-    if match is None:
+    if not isinstance(value, str) or not _QUANTITY.match(value):
         return None
-    number, exponent, suffix = match.groups()
-    scale = Fraction(10) ** int(exponent) if exponent else _SUFFIXES[suffix or ""]
+    number = _NUMBER.match(value).group()
+    rest = value[len(number):]  # a suffix (E alone is exa), or an exponent (e3, E-2)
+    scale = Fraction(10) ** int(rest[1:]) if rest[:1] in ("e", "E") and len(rest) > 1 else _SUFFIXES[rest]
     return Fraction(number) * scale
 
 
