@@ -54,6 +54,7 @@ HTTP_PORT_NAME = "http"
 RENDEZVOUS_PORT = 29500
 RENDEZVOUS_PORT_NAME = "rendezvous"
 SHM_VOLUME = "dshm"
+SHM_MOUNT = "/dev/shm"
 MODEL_VOLUME = "model"
 MODEL_MOUNT = "/mnt/models"
 MTP_VOLUME = "mtp"  # speculative.mtpPath

@@ -228,7 +228,7 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "ports": ports,
         "env": [*_group_env(r, rank_label), *pod.env],
         "resources": container_resources(r),
-        "volumeMounts": [{"name": names.SHM_VOLUME, "mountPath": "/dev/shm"}, *mounts, *pod.volume_mounts],
+        "volumeMounts": [{"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT}, *mounts, *pod.volume_mounts],
         "startupProbe": _http_probe("/ready", period, startup_failure_threshold(r)),
         "readinessProbe": _http_probe("/ready", period, failures),
         "livenessProbe": _http_probe("/health", period, failures),

@@ -334,9 +334,9 @@ OPERATOR_ENV = {
     names.ENV_NODE_RANK: "this pod's index in the parallel group",
     names.ENV_LWS_LEADER_ADDRESS: "LeaderWorkerSet's leader address",
 }
-OPERATOR_VOLUMES = {names.SHM_VOLUME: "/dev/shm", names.MODEL_VOLUME: "the model (spec.model.uri)",
+OPERATOR_VOLUMES = {names.SHM_VOLUME: names.SHM_MOUNT, names.MODEL_VOLUME: "the model (spec.model.uri)",
                     names.MTP_VOLUME: "the MTP heads (spec.speculative.mtpPath)"}
-OPERATOR_MOUNTS = {"/dev/shm": names.SHM_VOLUME, names.MODEL_MOUNT: names.MODEL_VOLUME,
+OPERATOR_MOUNTS = {names.SHM_MOUNT: names.SHM_VOLUME, names.MODEL_MOUNT: names.MODEL_VOLUME,
                    names.MTP_MOUNT: names.MTP_VOLUME}
 
 
