@@ -186,10 +186,8 @@ def probe_outputs(backend: Backend[O], r: Resolved, observed: O, status: SpecDec
         reached = status.rollout.step_started_at is not None
         missing = "stable replica to compare with" if not stable else "canary replica to probe"
         return ended or (equivalence.skipped(canary, f"no ready {missing}") if reached else None), None
-    seen = status.equivalence if status.equivalence is not None and status.equivalence.revision == canary else None
-    done = seen.prompts_same + seen.near_ties if seen is not None else 0
-    if ended is not None:
-        done += ended.same + ended.near_ties
+    so_far = equivalence.recorded(status.equivalence, ended) if ended is not None else status.equivalence
+    done = so_far.prompts_same + so_far.near_ties if so_far is not None and so_far.revision == canary else 0
     prompts, model = equivalence.prompts_for(config, done), r.spec.model.served_name or r.name
     return ended, equivalence.Probing(canary, lambda: equivalence.probe(
         stable[0][1], new[0][1], revision=canary, model=model, prompts=prompts, config=config))
