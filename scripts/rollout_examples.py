@@ -58,13 +58,13 @@ def stop_traffic(replay: subprocess.Popen) -> dict[str, Any]:
 
 
 def outcome(state: Path, since: int, timeout: float) -> dict[str, Any]:
-    """Waits for the rollout begun after event ``since`` to end: Promoted or RolledBack."""
+    """Waits for the rollout begun after byte ``since`` of the event log to end: Promoted or RolledBack."""
     deadline, canary = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
         seen = status(state)
         canary = next((row for row in seen["rows"] if row["role"] == "canary" and row["acceptanceRate"] is not None),
                       canary)
-        events = Store(state, NAME).events()[0][since:]
+        events = Store(state, NAME).events(since)[0]
         ended = next((e for e in events if e["reason"] in ("Promoted", "RolledBack")), None)
         if ended is not None:
             return {"outcome": ended["reason"], "message": ended["message"], "acceptanceRate": canary.get("acceptanceRate"),
@@ -74,8 +74,9 @@ def outcome(state: Path, since: int, timeout: float) -> dict[str, Any]:
             "meanAcceptanceLength": canary.get("meanAcceptanceLength")}
 
 
-def event_count(state: Path) -> int:
-    return len(Store(state, NAME).events()[0])
+def log_end(state: Path) -> int:
+    """Where the event log ends now (``Store.events``' offset)."""
+    return Store(state, NAME).events()[1]
 
 
 def one_run(timeout: float) -> dict[str, Any]:
@@ -87,14 +88,14 @@ def one_run(timeout: float) -> dict[str, Any]:
         while status(state)["readyReplicas"] < 2:
             time.sleep(2)
         replay = start_traffic(port, CHAT)
-        since = event_count(state)
+        since = log_end(state)
         cli("apply", CHANGE, state=state)
         run["chat"] = outcome(state, since, timeout)
         run["chat"]["traffic"] = stop_traffic(replay)
         replay = start_traffic(port, AGENT)
         while any(row["role"] == "retiring" for row in status(state)["rows"]):  # the rolled-back replica still drains
             time.sleep(2)
-        since = event_count(state)
+        since = log_end(state)
         cli("retry", NAME, state=state)
         run["agent"] = outcome(state, since, timeout)
         run["agent"]["traffic"] = stop_traffic(replay)
