@@ -10,6 +10,14 @@ verdict from the canary pods' ``/metrics`` or from Prometheus). Runs of one reso
 serialised by a lock, and each starts from a fresh read, so concurrent triggers cannot apply a
 stale state.
 
+Writes are all or nothing: every write a pass would make (deletes, scale-downs, applies) is
+dry-run first (``dryRun=All``: validation, webhooks, policy engines and quotas answer, nothing is
+stored), and only when all would pass are they made, scale-downs first. Otherwise nothing
+changes but the status: ``Ready=False`` with ``ChildRefused`` (a 4xx: the server's message) or
+``ApplyFailed`` (anything else), a Warning Event, and ``WritesFailed``, which the change handlers
+turn into a retry with backoff. The user's HTTPRoute is patched after the children; a 4xx there
+is ``RouteRefused``.
+
 Configuration comes from the environment once, in the startup handler (``OperatorConfig``).
 
 High availability: the chart runs the operator as a StatefulSet of several replicas peered by kopf
@@ -24,23 +32,27 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import kopf
-import kubernetes
 
 from specdecode.operator import kube, names
 from specdecode.operator.analysis import Verdict
-from specdecode.operator.loop import Carried, Observed, Outcome, converge
+from specdecode.operator.failures import FAILED_CREATE, told_by_events
+from specdecode.operator.loop import Carried, Observed, Outcome, Unwritten, converge
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
+    APPLY_FAILED,
+    CHILD_REFUSED,
     INVALID_SPEC,
+    ROUTE_REFUSED,
     Obj,
     Plan,
+    children_of,
     desired_kind,
     is_not_ready,
     not_ready,
@@ -65,6 +77,7 @@ ENV_KUBECONFIG = "KUBECONFIG"
 ENV_POD_ID = "POD_ID"  # kopf's: this replica's identity among its peers (the chart: the pod's name)
 ENV_PEERING_LIFETIME = "SPECDECODE_PEERING_LIFETIME_SECONDS"
 DEFAULT_METRICS_PORT = 8081
+RETRY_FIRST_SECONDS, RETRY_MAX_SECONDS = 5.0, 300.0  # backoff after writes the API server did not take
 TOP_PEERING_PRIORITY = 100  # of ordinal 0; below kopf's --dev (666), so that a developer's operator takes over
 # What the operator watches besides its resource, asked of the API server by label (kopf's
 # ``settings.watching.label_selectors``): its workloads and its runtime pods, nothing else in the cluster.
@@ -205,7 +218,8 @@ def analysis_interval(body: Mapping[str, Any]) -> float:
 
 def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
               old: Mapping[str, Any] | None = None, analyze: bool = False) -> bool:
-    """One pass; False when the resource is gone or going (nothing was done)."""
+    """One pass; False when the resource is gone or going (nothing was done). Raises
+    ``WritesFailed`` when the API server did not take its writes (after the status says so)."""
     with ctx.memory.lock(namespace, name), ctx.metrics.counting_errors(namespace, name):
         body = ctx.cluster.get(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -241,11 +255,23 @@ def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDe
                     logger=logger, analyze=analyze)
     ctx.memory.keep(r.namespace, r.name, done.carried)
     _record(ctx.metrics, r, status, done.status, done.verdict)
+    if done.unwritten is not None:
+        raise WritesFailed(f"{done.unwritten.reason}: {done.unwritten.message}")
+
+
+class WritesFailed(Exception):
+    """A reconciliation whose writes the API server did not take; its status says why (Ready=False
+    with the reason) and nothing else changed. The change handlers retry it with backoff
+    (``retry_delay``)."""
+
+
+def retry_delay(retries: int) -> float:
+    """Seconds before the next try of a reconciliation whose writes failed ``retries`` times."""
+    return min(RETRY_MAX_SECONDS, RETRY_FIRST_SECONDS * 2 ** retries)
 
 
 @dataclass(frozen=True)
 class KubeObserved(Observed):
-    existing: Sequence[Obj] = ()  # the resource's children
     kind: WorkloadKind = WorkloadKind.DEPLOYMENT  # what the desired revision runs as
     running: WorkloadKind | None = None  # what the stable revision runs as
     kind_warnings: tuple[str, ...] = ()
@@ -263,25 +289,33 @@ class KubeBackend:
 
     def observe(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> KubeObserved:
         cluster, meta = self.cluster, self.body["metadata"]
-        existing = cluster.children(r.namespace, r.name)
+        existing = children_of(cluster.children(r.namespace, r.name), self.body)
         running = running_kind(status, existing)
         kind, warnings = desired_kind(r, running, (meta.get("annotations") or {}).get(names.ANNOTATION_WORKLOAD_KIND),
                                       lambda: cluster.serves(kube.LEADER_WORKER_SET.api_version))
         return KubeObserved(revision=revision(r, leader_worker_set=kind is WorkloadKind.LEADER_WORKER_SET),
                             ready=ready_replicas(existing, r.layout.pods_per_group),
                             pods=cluster.pods(r.namespace, names.runtime_pod_labels(r.name)),
-                            existing=existing, kind=kind, running=running, kind_warnings=tuple(warnings))
+                            children=existing, events=self._events(r, existing), kind=kind, running=running,
+                            kind_warnings=tuple(warnings))
+
+    def _events(self, r: Resolved, children: Sequence[Obj]) -> list[Obj]:
+        """FailedCreate Events, read only when a StatefulSet's failure to create pods can be in
+        them and nowhere else."""
+        return self.cluster.events(r.namespace, FAILED_CREATE) if told_by_events(children) else []
 
     def carry_out(self, r: Resolved, observed: KubeObserved, t: Transition) -> Outcome:
         kind = observed.kind
         stable_kind = kind if t.status.stable_revision == observed.revision else observed.running or kind
-        changes = plan(r, observed.revision, t.replicas, observed.existing, owner=self.body,
+        changes = plan(r, observed.revision, t.replicas, observed.children, owner=self.body,
                        stable=t.status.stable_revision, canary=route_canary(t.status), kind=kind,
                        stable_kind=stable_kind)
-        warnings, refused = _apply(self.cluster, changes)
-        route_warnings, carried = _route(self.cluster, r, t.status.rollout.canary_weight, self.logger)
+        warnings, unwritten = _apply(self.cluster, changes)
+        route_warnings, carried = [], unwritten is None
+        if unwritten is None:  # the route follows the children, once they are written
+            route_warnings, carried, unwritten = _route(self.cluster, r, t.status.rollout.canary_weight, self.logger)
         lws = stable_kind is WorkloadKind.LEADER_WORKER_SET
-        return Outcome(warnings=(*observed.kind_warnings, *warnings, *route_warnings), refused=tuple(refused),
+        return Outcome(warnings=(*observed.kind_warnings, *warnings, *route_warnings), unwritten=unwritten,
                        weight_carried=carried,
                        status={"selector": names.label_selector(serving_selector(r, leader_worker_set=lws)),
                                "layout": r.layout.notation, "workload_kind": stable_kind})
@@ -301,61 +335,85 @@ class KubeBackend:
         self.cluster.remove_annotations(r.namespace, r.name, keys)
 
 
-def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[str]]:
-    """Delete and scale down first (GPUs free up), hand earlier versions' fields over, then apply.
-    Returns (warnings, refusals): an object of an API the cluster does not serve (ServiceMonitor
-    without the Prometheus operator) is skipped with a warning, one the API server refuses as
-    invalid (a bad toleration, quantity or env entry passed through) is named with the server's
-    message, and the others are applied all the same; neither fails the reconciliation."""
-    for obj in changes.delete:
-        cluster.delete(obj)
-    for obj in changes.scale:
-        cluster.patch(obj)
-    for live, managed in changes.hand_over:
-        cluster.hand_over(live, managed)
-    warnings, refused = [], []
-    for obj in changes.apply:
-        what = f"{obj['kind']} {obj['metadata']['name']}"
-        if not cluster.serves(obj["apiVersion"]):
-            warnings.append(f"{what} not created: the cluster does not serve {obj['apiVersion']}")
-            continue
+def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], Unwritten | None]:
+    """Every write of ``changes`` dry-run first; only when the API server would take them all,
+    delete and scale down (GPUs free up), hand earlier versions' fields over, then apply. Returns
+    warnings (an object of an API the cluster does not serve, such as a ServiceMonitor without the
+    Prometheus operator, is skipped) and what was not written: on any dry run's error nothing is,
+    and a write that fails after its dry run passed stops the rest."""
+    warnings, writes = _writes(cluster, changes)
+    failed = [(write.what, exc) for write in writes if (exc := write.attempt(dry_run=True))]
+    if not failed:
+        failed = next(([(write.what, exc)] for write in writes if (exc := write.attempt(dry_run=False))), [])
+    if not failed:
+        return warnings, None
+    reason = CHILD_REFUSED if all(exc.refused for _, exc in failed) else APPLY_FAILED
+    return warnings, Unwritten(reason, "; ".join(f"{what}: {exc.message}" for what, exc in failed))
+
+
+@dataclass(frozen=True)
+class _Write:
+    """One write of a plan: ``call(*args, dry_run=…)``, named for status messages."""
+
+    what: str
+    call: Callable[..., None]
+    args: tuple[Any, ...]
+
+    def attempt(self, *, dry_run: bool) -> kube.WriteFailed | None:
         try:
-            cluster.apply(obj)
-        except kube.Refused as exc:
-            refused.append(f"{what}: {exc}")
-    return warnings, refused
+            self.call(*self.args, dry_run=dry_run)
+        except kube.WriteFailed as exc:
+            return exc
+        return None
+
+
+def _writes(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[_Write]]:
+    """The writes of ``changes`` in the order they are made, and warnings for the objects skipped."""
+    def named(obj: Mapping[str, Any], verb: str = "") -> str:
+        return f"{obj['kind']} {obj['metadata']['name']}" + (f" ({verb})" if verb else "")
+
+    writes = [*(_Write(named(o, "delete"), cluster.delete, (o,)) for o in changes.delete),
+              *(_Write(named(o, f"scale to {o['spec']['replicas']}"), cluster.patch, (o,)) for o in changes.scale),
+              *(_Write(named(live, "hand-over of earlier fields"), cluster.hand_over, (live, managed))
+                for live, managed in changes.hand_over)]
+    warnings = []
+    for obj in changes.apply:
+        if cluster.serves(obj["apiVersion"]):
+            writes.append(_Write(named(obj), cluster.apply, (obj,)))
+        else:
+            warnings.append(f"{named(obj)} not created: the cluster does not serve {obj['apiVersion']}")
+    return warnings, writes
 
 
 def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None,
-           logger: logging.Logger) -> tuple[list[str], bool]:
+           logger: logging.Logger) -> tuple[list[str], bool, Unwritten | None]:
     """Set the canary's weight on the HTTPRoute of ``rollout.trafficRouting``. Returns why not, as
-    warnings, and whether the weight is in effect: the route holds it, or no route can carry
-    weights and the replica ratio rules (as without trafficRouting); not when the route changed
-    meanwhile (the next reconciliation sets it)."""
+    warnings or (the API server did not take the patch) as what was not written, and whether the
+    weight is in effect: the route holds it, or no route can carry weights and the replica ratio
+    rules (as without trafficRouting); not when the route changed meanwhile (the next
+    reconciliation sets it)."""
     routing = r.spec.rollout.traffic_routing
     if routing is None or canary_weight is None:
-        return [], True
+        return [], True, None
     if not cluster.serves(kube.HTTP_ROUTE.api_version):
         return [f"HTTPRoute {routing.http_route}: the cluster does not serve {kube.HTTP_ROUTE.api_version}; "
-                "traffic follows the replica ratio"], True
+                "traffic follows the replica ratio"], True, None
     route = cluster.read(kube.HTTP_ROUTE, r.namespace, routing.http_route)
     if route is None:
-        return [f"HTTPRoute {routing.http_route} not found: traffic follows the replica ratio"], True
+        return [f"HTTPRoute {routing.http_route} not found: traffic follows the replica ratio"], True, None
     try:
         change = route_patch(route, r, canary_weight)
     except RouteError as exc:
-        return [str(exc)], True
+        return [str(exc)], True, None
     try:
         if change is not None and not cluster.patch_unless_changed(change):
             logger.info("HTTPRoute %s changed meanwhile: weights set on the next reconciliation", routing.http_route)
-            return [], False
-    except kubernetes.client.ApiException as exc:
-        if not 400 <= exc.status < 500:
-            raise
-        why = kube.Refused.of(exc)
-        return [f"HTTPRoute {routing.http_route} refused the weights (HTTP {exc.status}: {why}): traffic follows "
-                "the replica ratio"], True
-    return [], True
+            return [], False, None
+    except kube.WriteFailed as exc:
+        return [], exc.refused, Unwritten(ROUTE_REFUSED if exc.refused else APPLY_FAILED, (
+            f"HTTPRoute {routing.http_route} refused the weights: {exc.message}; traffic follows the replica ratio"
+            if exc.refused else f"HTTPRoute {routing.http_route}: {exc.message}"))
+    return [], True, None
 
 
 def _record(metrics: OperatorMetrics, r: Resolved, before: SpecDecodeDeploymentStatus,

@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from specdecode.operator import controller, names
-from specdecode.operator.reconcile import INVALID_SPEC
+from specdecode.operator.reconcile import APPLY_FAILED, CHILD_REFUSED, INVALID_SPEC, ROUTE_REFUSED
 from specdecode.operator.resolve import admit
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
@@ -35,6 +35,7 @@ WEBHOOK_ID = "validate-specdecodedeployment"
 WORKLOADS, RUNTIME_PODS = controller.WORKLOAD_LABELS, controller.RUNTIME_POD_LABELS  # the API server filters too
 STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
 RESYNC_SECONDS = 10.0  # how often a resource waiting on its workloads is reconciled without an event
+NOT_WAITING = frozenset({INVALID_SPEC, CHILD_REFUSED, APPLY_FAILED, ROUTE_REFUSED})  # Ready=False reasons resync skips
 
 
 @kopf.on.startup()
@@ -52,9 +53,14 @@ def stop(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
-def reconcile(namespace: str, name: str, old: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Spec changes and the command annotations (promote, abort, pause, resume)."""
-    controller.reconcile(memo.ctx, namespace, name, logger, old=old)
+def reconcile(namespace: str, name: str, old: Any, retry: int, memo: kopf.Memo, logger: logging.Logger,
+              **_: Any) -> None:
+    """Spec changes and the command annotations (promote, abort, pause, resume); tried again, with
+    backoff, while the API server does not take the writes."""
+    try:
+        controller.reconcile(memo.ctx, namespace, name, logger, old=old)
+    except controller.WritesFailed as exc:
+        raise kopf.TemporaryError(str(exc), delay=controller.retry_delay(retry)) from exc
 
 
 def has_canary(status: kopf.Status, **_: Any) -> bool:
@@ -67,8 +73,18 @@ async def analyse(stopped: kopf.DaemonStopped, namespace: str, name: str, body: 
     """While a canary exists: every spec.rollout.analysis.interval, judge it and move the rollout.
     Async, so that kopf can cancel it; the blocking work runs in a thread."""
     while await interval_passed(stopped, controller.analysis_interval(body)):
-        if not await asyncio.to_thread(controller.reconcile, memo.ctx, namespace, name, logger, analyze=True):
+        if not await asyncio.to_thread(reconcile_without_retry, memo.ctx, namespace, name, logger, analyze=True):
             return  # deleted (possibly before kopf's finalizer was on it to stop this daemon)
+
+
+def reconcile_without_retry(ctx: controller.Context, namespace: str, name: str, logger: logging.Logger,
+                            **options: Any) -> bool:
+    """``controller.reconcile`` for the triggers that do not retry: writes the API server did not
+    take are in status already, and the change handlers retry them."""
+    try:
+        return controller.reconcile(ctx, namespace, name, logger, **options)
+    except controller.WritesFailed:
+        return True
 
 
 async def interval_passed(stopped: kopf.DaemonStopped, seconds: float) -> bool:
@@ -88,9 +104,11 @@ async def interval_passed(stopped: kopf.DaemonStopped, seconds: float) -> bool:
 
 
 def waiting_on_workloads(status: kopf.Status, **_: Any) -> bool:
-    """Not Ready, no canary (the analysis daemon moves rollouts) and not refused for its spec."""
+    """Not Ready, no canary (the analysis daemon moves rollouts), not refused for its spec, and not
+    waiting for writes the API server did not take (the change handlers retry those, with backoff)."""
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
-    return not status.get("canaryRevision") and ready.get("status") != "True" and ready.get("reason") != INVALID_SPEC
+    return (not status.get("canaryRevision") and ready.get("status") != "True"
+            and ready.get("reason") not in NOT_WAITING)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, when=waiting_on_workloads)
@@ -99,7 +117,7 @@ def resync(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, *
     mid-life (LeaderWorkerSet) when its CRD changes, by reading the API server's discovery then;
     the CRD's last event can come before discovery lists the group, and kopf then never watches
     it (until restarted), so no LeaderWorkerSet event would ever reach ``workload_changed``."""
-    controller.reconcile(memo.ctx, namespace, name, logger)
+    reconcile_without_retry(memo.ctx, namespace, name, logger)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)
@@ -110,7 +128,7 @@ def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logge
                      **_: Any) -> None:
     """A workload's readiness moves the rollout on (and a deleted one is made again); a runtime
     pod that refuses to start, or starts again, shows in the status."""
-    controller.reconcile(memo.ctx, namespace, labels[names.LABEL_INSTANCE], logger)
+    reconcile_without_retry(memo.ctx, namespace, labels[names.LABEL_INSTANCE], logger)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)

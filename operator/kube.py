@@ -21,6 +21,7 @@ from typing import Any
 
 import kopf
 import kubernetes
+import urllib3
 
 from specdecode.operator import names
 from specdecode.operator.rollout import Event
@@ -31,6 +32,7 @@ JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # its body may be JSON, which is YAML
 DISCOVERY_TTL_SECONDS = 60.0  # how long the served APIs are trusted
 UNSERVED_RECHECK_SECONDS = 5.0  # how soon an API the cluster lacked is looked for again
+DRY_RUN = "All"  # the API's only dryRun value
 
 
 @dataclass(frozen=True)
@@ -66,18 +68,41 @@ def kind_of(obj: Mapping[str, Any]) -> Kind:
     return KINDS[obj["apiVersion"], obj["kind"]]
 
 
-class Refused(ValueError):
-    """The API server refused an object as invalid (400, 422); the server's message."""
+class WriteFailed(Exception):
+    """The API server did not take a write: ``status`` its HTTP status (None: no answer), the
+    message its own. A 4xx is a refusal (invalid, forbidden by a policy engine or a quota, a
+    conflict); anything else (a 500 from server-side apply, a webhook that is down, no answer) a
+    failure that may pass."""
 
-    REFUSALS = (400, 422)
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    @property
+    def refused(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500
 
     @classmethod
-    def of(cls, exc: kubernetes.client.ApiException) -> Refused:
+    def of(cls, exc: Exception) -> WriteFailed:
+        if not isinstance(exc, kubernetes.client.ApiException):
+            return cls(None, f"no answer from the API server: {exc}")
         try:
             message = json.loads(exc.body or "")["message"]
         except (ValueError, TypeError, KeyError):  # no Status object: the raw body, or the reason
             message = (exc.body or exc.reason or "").strip()
-        return cls(message)
+        return cls(exc.status, message)
+
+
+# What a write can raise besides an API error: the connection failed or timed out.
+NO_ANSWER = (urllib3.exceptions.HTTPError, OSError)
+
+
+@contextmanager
+def _as_write_failed() -> Iterator[None]:
+    try:
+        yield
+    except (kubernetes.client.ApiException, *NO_ANSWER) as exc:
+        raise WriteFailed.of(exc) from exc
 
 
 @contextmanager
@@ -182,58 +207,66 @@ class Cluster:
             return self._custom.get_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, name)
         return None
 
-    def apply(self, obj: Obj) -> None:
-        """Server-side apply of the whole ``obj`` (created if missing); ``Refused`` if invalid."""
-        try:
-            self._patch(obj, obj, APPLY_PATCH, force=True)
-        except kubernetes.client.ApiException as exc:
-            if exc.status in Refused.REFUSALS:
-                raise Refused.of(exc) from exc
-            raise
+    # Writes raise ``WriteFailed``; with ``dry_run`` the API server validates and admits the write
+    # (webhooks, policies, quotas) and stores nothing.
 
-    def patch(self, obj: Obj) -> None:
+    def apply(self, obj: Obj, *, dry_run: bool = False) -> None:
+        """Server-side apply of the whole ``obj`` (created if missing)."""
+        self._patch(obj, obj, APPLY_PATCH, force=True, dry_run=dry_run)
+
+    def patch(self, obj: Obj, *, dry_run: bool = False) -> None:
         """Merge ``obj`` (a partial object with apiVersion, kind and metadata) in."""
-        self._patch(obj, obj, MERGE_PATCH)
+        self._patch(obj, obj, MERGE_PATCH, dry_run=dry_run)
 
-    def hand_over(self, live: Mapping[str, Any], managed: list[Obj]) -> None:
+    def hand_over(self, live: Mapping[str, Any], managed: list[Obj], *, dry_run: bool = False) -> None:
         """Set ``live``'s managedFields to ``managed`` unless it changed since it was read."""
         meta = live["metadata"]
         self._patch(live, [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
-                           {"op": "replace", "path": "/metadata/managedFields", "value": managed}], JSON_PATCH)
+                           {"op": "replace", "path": "/metadata/managedFields", "value": managed}], JSON_PATCH,
+                    dry_run=dry_run)
 
-    def _patch(self, obj: Mapping[str, Any], body: Any, content_type: str, *, force: bool | None = None) -> None:
+    def _patch(self, obj: Mapping[str, Any], body: Any, content_type: str, *, force: bool | None = None,
+               dry_run: bool = False) -> None:
         kind, meta = kind_of(obj), obj["metadata"]
-        options = {"field_manager": names.MANAGER, "force": force, "_content_type": content_type}
-        if kind.group:
-            self._custom.patch_namespaced_custom_object(
-                kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], body, **options)
-        else:
-            self._core.patch_namespaced_service(meta["name"], meta["namespace"], body, **options)
+        options = {"field_manager": names.MANAGER, "force": force, "_content_type": content_type,
+                   "dry_run": DRY_RUN if dry_run else None}
+        with _as_write_failed():
+            if kind.group:
+                self._custom.patch_namespaced_custom_object(
+                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], body, **options)
+            else:
+                self._core.patch_namespaced_service(meta["name"], meta["namespace"], body, **options)
 
     def patch_unless_changed(self, obj: Obj) -> bool:
         """``patch`` with ``obj``'s metadata.resourceVersion; False if the object changed since (409)."""
         try:
             self.patch(obj)
-        except kubernetes.client.ApiException as exc:
+        except WriteFailed as exc:
             if exc.status != 409:
                 raise
             return False
         return True
 
-    def delete(self, obj: Mapping[str, Any]) -> None:
+    def delete(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> None:
         """Delete ``obj``; its answer is not parsed (an API server before 1.23 answers a Service
         DELETE with a Status, which the client would fail to read as a Service)."""
         kind, meta = kind_of(obj), obj["metadata"]
-        with _gone_is_fine():  # already gone is what we wanted
+        options = {"dry_run": DRY_RUN if dry_run else None, "_preload_content": False}
+        with _as_write_failed(), _gone_is_fine():  # already gone is what we wanted
             if kind.group:
                 answer = self._custom.delete_namespaced_custom_object(
-                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], _preload_content=False)
+                    kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], **options)
             else:
-                answer = self._core.delete_namespaced_service(meta["name"], meta["namespace"], _preload_content=False)
+                answer = self._core.delete_namespaced_service(meta["name"], meta["namespace"], **options)
             answer.drain_conn()
 
     def pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
         return self.list(POD, namespace, names.label_selector(dict(labels)))
+
+    def events(self, namespace: str, reason: str) -> list[Obj]:
+        """The core/v1 Events of ``namespace`` with ``reason`` (the API server selects them)."""
+        listed = self._core.list_namespaced_event(namespace, field_selector=f"reason={reason}")
+        return self.api.sanitize_for_serialization(listed)["items"]
 
 
 def post_events(owner: Mapping[str, Any], events: Sequence[Event]) -> None:

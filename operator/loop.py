@@ -10,7 +10,7 @@ and local processes (``specdecode up``: a process per pod, a router). Each imple
     Events, consumed annotations
 
 Pods are plain dicts shaped as the Kubernetes API shows them (``status.containerStatuses``,
-``conditions``, …), so ``pods.runtime_refusal`` and ``pods.not_ready_reason`` read both backends.
+``conditions``, …), so ``failures.failure`` and ``pods.not_ready_reason`` read both backends.
 The analysis samples (``History``) are the caller's to keep between calls: ``converge`` takes the
 last one and returns the next.
 """
@@ -33,8 +33,9 @@ from specdecode.operator.analysis import (
     prometheus_queries,
     without_data,
 )
-from specdecode.operator.pods import not_ready_reason, runtime_refusal
-from specdecode.operator.reconcile import CHILD_REFUSED, is_not_ready, not_ready
+from specdecode.operator.failures import failure
+from specdecode.operator.pods import not_ready_reason
+from specdecode.operator.reconcile import is_not_ready, not_ready
 from specdecode.operator.resolve import Resolved, duration_seconds
 from specdecode.operator.rollout import Event, EventType, Transition, advance, read_commands, weight_in_effect
 from specdecode.operator.spec import EquivalenceState, EquivalenceStatus, RolloutPhase, SpecDecodeDeploymentStatus
@@ -51,6 +52,18 @@ class Observed:
     revision: str  # the revision the current spec asks for, as this backend runs it
     ready: Mapping[str, int]  # ready replicas (whole parallel groups) per revision
     pods: Sequence[Obj]  # the runtime pods (or processes, shaped as pods)
+    children: Sequence[Obj] = ()  # the workloads (and other children) as listed, if the backend has any
+    events: Sequence[Obj] = ()  # Events of the namespace that may say why pods are not created
+
+
+@dataclass(frozen=True)
+class Unwritten:
+    """Writes the backend could not make, and why: ``reconcile.CHILD_REFUSED`` (refused: invalid,
+    a policy, a quota), ``APPLY_FAILED`` (failed otherwise) or ``ROUTE_REFUSED``; with the
+    server's message, naming what was written to."""
+
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -58,7 +71,7 @@ class Outcome:
     """What carrying a transition out did."""
 
     warnings: tuple[str, ...] = ()
-    refused: tuple[str, ...] = ()  # what the backend refused to run, a message each (ChildRefused)
+    unwritten: Unwritten | None = None  # Ready=False with its reason, until the writes are made
     weight_carried: bool = True  # the route holds the canary weight asked for, or none decides traffic
     status: Mapping[str, Any] = field(default_factory=dict)  # the backend's own status fields
     events: tuple[Event, ...] = ()  # what the backend saw happen (a replica restarted)
@@ -97,6 +110,7 @@ class Converged:
     status: SpecDecodeDeploymentStatus
     verdict: Verdict | None
     carried: Carried  # to pass to the next call
+    unwritten: Unwritten | None = None  # what the backend could not write (the caller retries)
 
 
 def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatus, *,
@@ -110,7 +124,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     canary = status.canary_revision
     seen = equivalence.recorded(status.equivalence, probed) if probed is not None else status.equivalence
     t = advance(status, observed.revision, r.spec, now=now, ready=observed.ready, verdict=verdict, analysed=analyze,
-                commands=read_commands(annotations), refusal=runtime_refusal(observed.pods),
+                commands=read_commands(annotations), failure=failure(observed.pods, observed.children, observed.events),
                 not_ready=not_ready_reason(observed.pods, canary) if canary and analyze else None, probe=probed,
                 outputs_checked=_outputs_checked(r, status, seen))
     outcome = backend.carry_out(r, observed, t)
@@ -122,16 +136,15 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     if probed is not None:
         new = new.model_copy(update={"equivalence": seen})
         events += _probe_events(status.equivalence, probed)
-    if outcome.refused:
-        message = "; ".join(outcome.refused)
-        if not is_not_ready(status, CHILD_REFUSED, message):
-            events.append(Event(EventType.WARNING, CHILD_REFUSED, message))
-        new = not_ready(new, CHILD_REFUSED, message, now, before=status)
+    if (unwritten := outcome.unwritten) is not None:
+        if not is_not_ready(status, unwritten.reason, unwritten.message):
+            events.append(Event(EventType.WARNING, unwritten.reason, unwritten.message))
+        new = not_ready(new, unwritten.reason, unwritten.message, now, before=status)
     if new != status:
         backend.write_status(r, new)
     backend.remove_annotations(r, t.consumed_annotations)
     backend.post_events(r, events)
-    return Converged(new, verdict, Carried(history, probing))
+    return Converged(new, verdict, Carried(history, probing), unwritten)
 
 
 # -- analysis -----------------------------------------------------------------------------------

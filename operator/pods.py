@@ -8,6 +8,9 @@
   scheduler's verdict, else the phase (a running pod still loading its model).
 - ``is_ready``: a pod's ``Ready`` condition.
 
+The readers under them (``waiting``, ``unscheduled``, ``alive``, ``named``, ``first``…) are public for
+``failures``, which picks the failures among what holds pods back.
+
 Pods being deleted are ignored: they are on their way out and say nothing about what replaces them.
 
 No I/O; ``controller`` lists the pods.
@@ -15,6 +18,7 @@ No I/O; ``controller`` lists the pods.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specdecode.operator import names
@@ -26,6 +30,16 @@ MAX_REFUSAL_CHARS = 400  # of the termination message (or any other message), in
 _STARTING = frozenset({"ContainerCreating", "PodInitializing"})  # a container waiting on its way up
 # A pod in a terminal phase (evicted, its node shut down) no longer runs: its controller has replaced it.
 _TERMINAL = frozenset({"Succeeded", "Failed"})
+UNSCHEDULABLE = "Unschedulable"  # the scheduler's reason for a pod no node can take (PodScheduled=False)
+
+
+@dataclass(frozen=True)
+class Holdup:
+    """What holds a pod back, short of a refusal: the kubelet's or the scheduler's reason
+    (``ImagePullBackOff``, ``Unschedulable``, ``SchedulingGated``…) and one line saying so."""
+
+    reason: str
+    text: str  # e.g. 'container runtime waiting: ErrImagePull: rpc error: …', 'unschedulable: 0/3 nodes…'
 
 
 def runtime_refusal(pods: Sequence[Obj]) -> str | None:
@@ -33,28 +47,90 @@ def runtime_refusal(pods: Sequence[Obj]) -> str | None:
     our containers that exited non-zero and is not running again (terminated, or waiting to
     restart: CrashLoopBackOff). The runtime writes one line; a log tail (terminationMessagePolicy
     FallbackToLogsOnError) counts by its last line, where a traceback names the error."""
-    refusals = [f"pod {pod['metadata']['name']} (revision {_revision(pod) or '?'}): {refusal}"
-                for pod in _present(pods) if (refusal := _pod_refusal(pod))]
-    return _first(refusals, "pods")
+    refusals = [f"{named(pod)}: {refusal}" for pod in present(pods) if (refusal := _pod_refusal(pod))]
+    return first(refusals, "pods")
 
 
 def not_ready_reason(pods: Sequence[Obj], revision: str) -> str | None:
     """Why pods of ``revision`` are not Ready, one line for a condition message: the reason of the
     first not-ready pod by name, and how many more there are; None when every one is ready (or
     there are none). Pods in a terminal phase are left out, as their controller leaves them out."""
-    reasons = [f"pod {pod['metadata']['name']}: {_not_ready(pod)}" for pod in _present(pods)
-               if _revision(pod) == revision and not is_ready(pod) and _status(pod).get("phase") not in _TERMINAL]
-    return _first(reasons, "pods not ready")
+    reasons = [f"pod {pod['metadata']['name']}: {_not_ready(pod)}" for pod in alive(pods)
+               if revision_of(pod) == revision and not is_ready(pod)]
+    return first(reasons, "pods not ready")
 
 
 def is_ready(pod: Obj) -> bool:
     """Whether ``pod`` is Ready: every container passed its readiness probe (the model is loaded)."""
-    return _condition(pod, "Ready").get("status") == "True"
+    return condition(pod, "Ready").get("status") == "True"
+
+
+def waiting(pod: Obj) -> list[Holdup]:
+    """The containers (init containers first) waiting for more than their own start."""
+    holdups = []
+    for container in _containers(pod):
+        state = (container.get("state") or {}).get("waiting") or {}
+        reason, message = state.get("reason"), state.get("message")
+        if reason and reason not in _STARTING:
+            said = f": {line(message)}" if message else ""
+            holdups.append(Holdup(reason, f"container {container.get('name')} waiting: {reason}{said}"))
+    return holdups
+
+
+def unscheduled(pod: Obj) -> Holdup | None:
+    """The scheduler's verdict on a pod it could not place (e.g. "0/3 nodes are available: 3
+    Insufficient nvidia.com/gpu."), or on one held back (SchedulingGated); None once placed."""
+    scheduled = condition(pod, "PodScheduled")
+    if scheduled.get("status") != "False":
+        return None
+    reason, message = scheduled.get("reason") or UNSCHEDULABLE, line(scheduled.get("message") or "no message")
+    if reason == UNSCHEDULABLE:
+        return Holdup(reason, f"unschedulable: {message}")
+    return Holdup(reason, f"not scheduled: {reason}: {message}")
+
+
+def alive(pods: Sequence[Obj]) -> list[Obj]:
+    """The pods neither being deleted nor in a terminal phase, by name: those that may yet serve."""
+    return [pod for pod in present(pods) if _status(pod).get("phase") not in _TERMINAL]
+
+
+def present(objs: Sequence[Obj]) -> list[Obj]:
+    """The objects (pods, workloads) not being deleted, by name."""
+    return [obj for obj in sorted(objs, key=lambda o: o["metadata"]["name"])
+            if not obj["metadata"].get("deletionTimestamp")]
+
+
+def named(pod: Obj) -> str:
+    """How a condition message names a pod: 'pod demo-3f2a-0 (revision 3f2a)'."""
+    return f"pod {pod['metadata']['name']} (revision {revision_of(pod) or '?'})"
+
+
+def first(lines: list[str], what: str) -> str | None:
+    """The first line, and how many more there are; None for none."""
+    if not lines:
+        return None
+    return lines[0] + (f" (and {len(lines) - 1} more {what})" if len(lines) > 1 else "")
+
+
+def revision_of(obj: Obj) -> str | None:
+    """The revision label of a pod or of a workload."""
+    return (obj["metadata"].get("labels") or {}).get(names.LABEL_REVISION)
+
+
+def condition(obj: Obj, type_: str) -> Obj:
+    """The status condition of ``type_`` of a pod or a workload, or {}."""
+    return next((c for c in _status(obj).get("conditions") or [] if c.get("type") == type_), {})
+
+
+def line(message: str) -> str:
+    """A kubelet's, a controller's or the scheduler's message on one line, cut to fit a condition."""
+    return _cut(" ".join(message.split()))
 
 
 def _not_ready(pod: Obj) -> str:
     """The first reason found: a refusal, a container waiting, the scheduler's verdict, the phase."""
-    return _pod_refusal(pod) or _waiting(pod) or _unscheduled(pod) or _phase(pod)
+    holdup = next(iter(waiting(pod)), None) or unscheduled(pod)
+    return _pod_refusal(pod) or (holdup.text if holdup else _phase(pod))
 
 
 def _pod_refusal(pod: Obj) -> str | None:
@@ -75,28 +151,8 @@ def _failed_exit(container: Obj) -> Obj | None:
 
 def _said(exited: Obj) -> str:
     """The last line of a termination message (or its reason, e.g. OOMKilled), cut to fit a condition."""
-    lines = [line.strip() for line in (exited.get("message") or "").splitlines() if line.strip()]
+    lines = [text.strip() for text in (exited.get("message") or "").splitlines() if text.strip()]
     return _cut(lines[-1] if lines else exited.get("reason") or "no message")
-
-
-def _waiting(pod: Obj) -> str | None:
-    """The first container (init containers first) waiting for more than its own start."""
-    for container in _containers(pod):
-        waiting = (container.get("state") or {}).get("waiting") or {}
-        reason, message = waiting.get("reason"), waiting.get("message")
-        if reason and reason not in _STARTING:
-            return f"container {container.get('name')} waiting: {reason}" + (f": {_line(message)}" if message else "")
-    return None
-
-
-def _unscheduled(pod: Obj) -> str | None:
-    """The scheduler's verdict on a pod it could not place (e.g. "0/3 nodes are available: 3
-    Insufficient nvidia.com/gpu."), or on one held back (SchedulingGated)."""
-    scheduled = _condition(pod, "PodScheduled")
-    if scheduled.get("status") != "False":
-        return None
-    reason, message = scheduled.get("reason") or "Unschedulable", _line(scheduled.get("message") or "no message")
-    return f"unschedulable: {message}" if reason == "Unschedulable" else f"not scheduled: {reason}: {message}"
 
 
 def _phase(pod: Obj) -> str:
@@ -111,40 +167,14 @@ def _phase(pod: Obj) -> str:
     return f"{phase.lower()}, not ready yet"
 
 
-def _present(pods: Sequence[Obj]) -> list[Obj]:
-    """The pods not being deleted, by name."""
-    return [pod for pod in sorted(pods, key=lambda p: p["metadata"]["name"])
-            if not pod["metadata"].get("deletionTimestamp")]
-
-
-def _first(lines: list[str], what: str) -> str | None:
-    """The first line, and how many more there are; None for none."""
-    if not lines:
-        return None
-    return lines[0] + (f" (and {len(lines) - 1} more {what})" if len(lines) > 1 else "")
-
-
-def _status(pod: Obj) -> Obj:
-    return pod.get("status") or {}
-
-
-def _revision(pod: Obj) -> str | None:
-    return (pod["metadata"].get("labels") or {}).get(names.LABEL_REVISION)
+def _status(obj: Obj) -> Obj:
+    return obj.get("status") or {}
 
 
 def _containers(pod: Obj) -> list[Obj]:
     """Container statuses, init containers first (they run first)."""
     status = _status(pod)
     return [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
-
-
-def _condition(pod: Obj, type_: str) -> Obj:
-    return next((c for c in _status(pod).get("conditions") or [] if c.get("type") == type_), {})
-
-
-def _line(message: str) -> str:
-    """A kubelet's or the scheduler's message on one line, cut to fit a condition."""
-    return _cut(" ".join(message.split()))
 
 
 def _cut(text: str) -> str:

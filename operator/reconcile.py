@@ -20,8 +20,8 @@
   takes them; ``serving_endpoints``: the ready pods' addresses (their ``/metrics``, the probe's completions). Why a runtime pod
   will not start (``pods.runtime_refusal``) or is not ready is read in ``pods``.
 - ``status_patch`` / ``not_ready``: the typed status as the merge patch the API takes;
-  ``Ready=False`` for an invalid spec (``InvalidSpec``) or a child the API server refused
-  (``ChildRefused``, with its message).
+  ``Ready=False`` for an invalid spec (``InvalidSpec``) or writes the API server did not take
+  (``ChildRefused``, ``ApplyFailed``, ``RouteRefused``, with its message).
 
 No I/O; ``controller`` does it.
 """
@@ -47,7 +47,9 @@ from specdecode.operator.spec import ConditionStatus, ConditionType, SpecDecodeD
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # apiVersion, kind, name
 INVALID_SPEC = "InvalidSpec"
-CHILD_REFUSED = "ChildRefused"
+CHILD_REFUSED = "ChildRefused"  # the API server refused a write (4xx: invalid, a policy, a quota)
+APPLY_FAILED = "ApplyFailed"  # a write failed otherwise (5xx: a webhook down; no answer)
+ROUTE_REFUSED = "RouteRefused"  # the user's HTTPRoute refused the canary's weights (4xx)
 _SCALABLE = {"Deployment", "LeaderWorkerSet"}  # one object per revision, replicas = model replicas
 _WORKLOADS = {kind.value for kind in WorkloadKind}
 # Who wrote children before they were applied: earlier operator versions sent no fieldManager,
@@ -113,6 +115,16 @@ def plan(r: Resolved, desired: str, replicas: Mapping[str, int], existing: Seque
         elif (scaled := _scaled(obj, replicas[rev], r.layout.pods_per_group)) is not None:
             scale.append(scaled)
     return Plan(apply, tuple(scale), tuple(delete), hand_over)
+
+
+def children_of(listed: Sequence[Obj], owner: Mapping[str, Any]) -> list[Obj]:
+    """The objects listed by ``owner``'s labels that are its children: those it controls (an owner
+    reference with ``controller``) or nothing does. Another controller's object that copies the
+    labels of what it was made from (the StatefulSets of a LeaderWorkerSet) is that controller's,
+    not one to scale or delete."""
+    uid = owner["metadata"].get("uid")
+    return [obj for obj in listed
+            if all(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [] if ref.get("controller"))]
 
 
 def applied_form(obj: Obj, owner: Mapping[str, Any]) -> Obj:

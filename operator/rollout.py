@@ -3,7 +3,7 @@ the cluster is what the shell observed (ready replicas per revision, why pods ar
 analysis is a ``Verdict``.
 
     advance(status, desired_revision, spec, now=…, ready={revision: n}, verdict=…, analysed=…,
-            commands={command: value}, refusal=…, not_ready=…) → Transition
+            commands={command: value}, failure=…, not_ready=…) → Transition
     weight_in_effect(status, weight, spec, now) → status
 
 ``Transition.status`` is the whole new status; ``Transition.replicas`` says which workloads exist
@@ -51,10 +51,16 @@ Semantics:
   ``rollout.canaryWeight``: the weight of the step last reached (0 before the first); during a
   restore the canary Service selects the newest retired revision (``route_canary``) and its share
   follows the ready replicas, so requests never go to a revision with nothing ready.
-- A runtime pod that refused to start (``refusal``: its termination message, see
-  ``pods.runtime_refusal``) sets ``Degraded=True, reason=RuntimeRefused`` with that message,
-  before any other reason to be degraded, and a Warning event when it begins; its replica is not
-  ready, so ``Ready`` follows the replicas. It clears when no pod refuses any more.
+- Pods that never come (``failure``, see ``failures``: a runtime that refused to start, pods a
+  quota or PodSecurity forbids, one no node can take, an image that cannot be pulled) set
+  ``Degraded=True`` with the failure's reason (``RuntimeRefused``, ``FailedCreate``,
+  ``Unschedulable``, ``ImagePullBackOff``, …) and the first one's message, before any other
+  reason to be degraded, and a Warning event when it begins; their replicas are not ready, so
+  ``Ready`` follows the replicas. It clears when the failure does.
+- Without a canary, a stable short of its replicas (a first deploy, a scale-up) has
+  ``progressDeadline`` too: its clock restarts whenever a replica turns ready, and past it
+  ``Degraded`` and ``Progressing`` say ``ProgressDeadlineExceeded`` (nothing to roll back to),
+  with a Warning event; it clears once every replica is ready.
 - Commands (``names`` annotations; ``read_commands``): each value acts once — the value names the
   revision meant (a revision's form: ``names.REVISION_LENGTH`` hex digits; another revision's
   name is ignored) or is any other token, and ``status.commands`` records the last value handled,
@@ -82,6 +88,7 @@ from specdecode.operator import names
 from specdecode.operator.analysis import Result, Verdict, measured_acceptance
 from specdecode.operator.capacity import cuts_over, max_unavailable, next_move, step_replicas
 from specdecode.operator.equivalence import ProbeResult
+from specdecode.operator.failures import Failure
 from specdecode.operator.resolve import duration_seconds
 from specdecode.operator.spec import (
     CommandRecord,
@@ -99,9 +106,9 @@ from specdecode.operator.spec import (
 )
 
 TRUE, FALSE, UNKNOWN = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
-RUNTIME_REFUSED = "RuntimeRefused"
 CANARY_NOT_READY = "CanaryNotReady"
 OUTPUT_DIVERGED = "OutputDiverged"
+PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
 LEGACY_VALUE = "true"  # the command value before values named revisions: acts every time it is set
 _REVISION = re.compile(f"[0-9a-f]{{{names.REVISION_LENGTH}}}")
 
@@ -181,7 +188,10 @@ class _State:
     commands: CommandRecord
     events: list[Event] = field(default_factory=list)
     rolled_back: tuple[str, str] | None = None  # (reason, message) when this call rolled back
-    refusal: str | None = None  # why runtime pods refuse to start, as observed
+    failure: Failure | None = None  # why pods never come, as observed
+    ready_before: int = 0  # ready replicas, as the status said
+    was_stalled: bool = False  # the status said the stable was past progressDeadline
+    stalled: str | None = None  # a stable short of replicas past progressDeadline: why
     consumed: set[Command] = field(default_factory=set)  # "true" annotations to remove
 
     def update(self, **changes: object) -> None:
@@ -193,18 +203,20 @@ class _State:
 
 def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: SpecDecodeDeploymentSpec, *,
             now: datetime, ready: Mapping[str, int], verdict: Verdict | None = None, analysed: bool = False,
-            commands: Mapping[Command, str] | None = None, refusal: str | None = None,
+            commands: Mapping[Command, str] | None = None, failure: Failure | None = None,
             not_ready: str | None = None, probe: ProbeResult | None = None, outputs_checked: bool = True) -> Transition:
     """The next status, workloads and events (see the module docstring). ``ready``: ready
     replicas (whole parallel groups) per revision, as observed; ``analysed``: this call is the
-    analysis interval's; ``commands``: ``read_commands``; ``refusal``: ``pods.runtime_refusal`` of
-    the resource's pods; ``not_ready``: ``pods.not_ready_reason`` of the canary's; ``probe``: the
+    analysis interval's; ``commands``: ``read_commands``; ``failure``: ``failures.failure`` of the
+    resource's pods and workloads; ``not_ready``: ``pods.not_ready_reason`` of the canary's; ``probe``: the
     interval's equivalence probe of the canary; ``outputs_checked``: a probe of the canary has
     ended, or none can run (until then no step passes)."""
     state = _State(status.stable_revision, status.canary_revision, status.canary_step, status.rollout,
-                   status.acceptance, status.commands, refusal=refusal)
-    if refusal is not None and not any(c.reason == RUNTIME_REFUSED for c in status.conditions):
-        state.emit(EventType.WARNING, RUNTIME_REFUSED, refusal)
+                   status.acceptance, status.commands, failure=failure, ready_before=status.ready_replicas or 0,
+                   was_stalled=any(c.type == ConditionType.PROGRESSING and c.reason == PROGRESS_DEADLINE_EXCEEDED
+                                   for c in status.conditions))
+    if failure is not None and not _degraded_by(status, failure.reason):
+        state.emit(EventType.WARNING, failure.reason, failure.message)
     _follow_spec(state, desired_revision, spec)
     _obey(state, commands or {}, desired_revision, spec)
     _judge(state, spec, ready, verdict, analysed, not_ready, probe, outputs_checked)
@@ -505,6 +517,7 @@ def _scale(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], 
     r = s.rollout
     if s.canary is None and not r.retiring:
         s.update(stable_replicas=spec.replicas, canary_replicas=0)
+        _stable_progress(s, spec, ready, now)
         return {s.stable: spec.replicas}
     target = {s.stable: spec.replicas}
     current = {s.stable: r.stable_replicas}
@@ -540,7 +553,7 @@ def _step(s: _State, spec: SpecDecodeDeploymentSpec, before: RolloutStatus, move
     if not reached and _past_deadline(s, spec, now):
         s.update(stable_replicas=before.stable_replicas, canary_replicas=before.canary_replicas,
                  retiring=before.retiring)  # the move is undone: the restore moves instead
-        _roll_back(s, spec, "ProgressDeadlineExceeded", f"step {s.step + 1} not reached within progressDeadline "
+        _roll_back(s, spec, PROGRESS_DEADLINE_EXCEEDED, f"step {s.step + 1} not reached within progressDeadline "
                    f"{spec.rollout.progress_deadline} without progress: {seen} of {target[s.canary]} canary "
                    f"replicas ready")
         return _scale(s, spec, ready, now)
@@ -554,6 +567,24 @@ def _step(s: _State, spec: SpecDecodeDeploymentSpec, before: RolloutStatus, move
         s.emit(EventType.NORMAL, "StepReached", f"step {s.step + 1}/{len(spec.rollout.steps)}: canary {s.canary} "
                f"serves {weight}% ({move[s.canary]} of {spec.replicas} replicas, stable {move[s.stable]})")
     return _kept_workloads(s, move)
+
+
+def _stable_progress(s: _State, spec: SpecDecodeDeploymentSpec, ready: Mapping[str, int], now: datetime) -> None:
+    """The stable's progress while it is short of replicas without a canary: the clock restarts
+    whenever a replica turns ready; past ``progressDeadline``, ``s.stalled`` says so (and a
+    Warning event, as it begins)."""
+    seen = min(ready.get(s.stable, 0), spec.replicas)
+    if seen >= spec.replicas:
+        s.update(progress_at=None)
+        return
+    if s.rollout.progress_at is None or seen > s.ready_before:
+        s.update(progress_at=now)
+    if (now - s.rollout.progress_at).total_seconds() <= duration_seconds(spec.rollout.progress_deadline):
+        return
+    s.stalled = (f"revision {s.stable}: {seen} of {spec.replicas} replicas ready, none more within progressDeadline "
+                 f"{spec.rollout.progress_deadline}")
+    if not s.was_stalled:
+        s.emit(EventType.WARNING, PROGRESS_DEADLINE_EXCEEDED, s.stalled)
 
 
 def _past_deadline(s: _State, spec: SpecDecodeDeploymentSpec, now: datetime) -> bool:
@@ -603,12 +634,14 @@ def _desired_conditions(old: Sequence[Condition], s: _State, spec: SpecDecodeDep
                         ) -> dict[ConditionType, tuple[ConditionStatus, str, str]]:
     r = s.rollout
     rolled_back = _rolled_back(old, s)
-    if s.refusal is not None:
-        degraded = (TRUE, RUNTIME_REFUSED, s.refusal)
+    if s.failure is not None:
+        degraded = (TRUE, s.failure.reason, s.failure.message)
     elif rolled_back:
         degraded = (TRUE, rolled_back[0], f"revision {r.rolled_back_revision} rolled back")
     elif r.consecutive_failures:
         degraded = (TRUE, "AnalysisFailing", r.message)
+    elif s.stalled is not None:
+        degraded = (TRUE, PROGRESS_DEADLINE_EXCEEDED, s.stalled)
     else:
         degraded = (FALSE, "AsExpected", "")
     return {
@@ -629,6 +662,10 @@ def _ready(spec: SpecDecodeDeploymentSpec, serving: int) -> tuple[ConditionStatu
     return FALSE, "ReplicasNotReady", f"{serving} of {spec.replicas} replicas ready, {needed} needed"
 
 
+def _degraded_by(status: SpecDecodeDeploymentStatus, reason: str) -> bool:
+    return any(c.type == ConditionType.DEGRADED and c.status == TRUE and c.reason == reason for c in status.conditions)
+
+
 def _rolled_back(old: Sequence[Condition], s: _State) -> tuple[str, str] | None:
     """(reason, message) of the RolledBack condition while rolled back: new, or as it was."""
     if s.rollout.phase != RolloutPhase.ROLLED_BACK:
@@ -642,6 +679,8 @@ def _rolled_back(old: Sequence[Condition], s: _State) -> tuple[str, str] | None:
 def _progressing(s: _State, spec: SpecDecodeDeploymentSpec) -> tuple[ConditionStatus, str, str]:
     r = s.rollout
     retiring = "".join(f", retiring {old.revision} {old.replicas}" for old in r.retiring)
+    if s.stalled is not None:
+        return FALSE, PROGRESS_DEADLINE_EXCEEDED, s.stalled
     if s.canary is None and retiring:
         return TRUE, "Restoring", (f"stable {s.stable} {r.stable_replicas} of {spec.replicas} replicas{retiring}: "
                                    "each retiring replica goes once one replacing it is ready")

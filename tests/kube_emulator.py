@@ -28,7 +28,12 @@ adds what a real API server does that kopf, the operator and these tests rely on
   ``fieldManager`` and ``force``; it creates what does not exist), as kube_fields.py models them:
   every write records who owns which field (a request without ``fieldManager`` counts under its
   User-Agent's product, as a real server names it), an apply removes what its manager applied
-  before and applies no more, and an apply that changes nothing writes nothing.
+  before and applies no more, and an apply that changes nothing writes nothing;
+- ``dryRun=All`` on a create, patch, apply or delete: the answer the write would get (validated,
+  admitted) and nothing stored;
+- ``admission``: callables a test adds that see every create, patch, apply and delete (dry runs
+  too) and may refuse it with a ``kmock.KubernetesError``, standing in for a validating webhook, a
+  policy engine or a ResourceQuota.
 
 Other patches are JSON merge patches (kmock applies strategic-merge patches as merge patches too)
 or JSON patches (kopf's finalizers, with a failed ``test`` answered 422 as kopf expects);
@@ -47,7 +52,7 @@ import secrets
 import string
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -82,6 +87,7 @@ CRDS = kmock.resource("apiextensions.k8s.io/v1/customresourcedefinitions")
 KOPF_AGENT = "kopf/"  # the User-Agent prefix of kopf's requests
 _NAMESPACE_PATH = re.compile(r"^/api/v1/namespaces/?(?P<name>[^/]+)?$")
 APPLY_PATCH = "application/apply-patch+yaml"
+_WRITES = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
 # Built-in kinds checked against Kubernetes' schema on every write: what the operator writes.
 VALIDATED = {kmock.resource(r) for r in ("apps/v1/deployments", "apps/v1/statefulsets", "v1/services",
                                          "policy/v1/poddisruptionbudgets")}
@@ -189,6 +195,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.hidden_from_kopf: set[str] = set()
         # workloads (by name) whose new replicas load until a test patches their status ready
         self.loading: set[str] = set()
+        # stand-ins for validating webhooks and quotas: each may raise kmock.KubernetesError
+        self.admission: list[Callable[[kmock.Request], None]] = []
         for key, (kind, namespaced, subresources) in BUILTINS.items():
             self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
                                                      subresources=subresources)
@@ -233,7 +241,13 @@ class ApiServer(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(listing, status=response.status)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        if request.resource is None or request.action not in (kmock.action.CREATE, kmock.action.UPDATE):
+        if request.resource is None or request.action not in _WRITES:
+            return await super()._handle(request)
+        for admit in self.admission:
+            admit(request)
+        if request.params.get("dryRun") == "All":
+            return await self._dry_run(request)
+        if request.action == kmock.action.DELETE:
             return await super()._handle(request)
         async with self._writes:  # one write at a time, as etcd's compare-and-swap orders them
             if request.action == kmock.action.CREATE:
@@ -244,21 +258,48 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._prepare_patch(request)
             return await super()._handle(request)
 
-    async def _apply(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        """Server-side apply: a create when the object does not exist, else the merge patch that
-        makes the stored object what kube_fields.apply computes; nothing at all if it changes nothing."""
+    async def _dry_run(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """The answer a write would get, validated as it would be, with nothing stored."""
+        async with self._writes:
+            current = self._stored(request)
+            if request.action == kmock.action.CREATE:
+                self._prepare_create(request)
+                return aiohttp.web.json_response(request.data, status=201)
+            if request.headers.get("Content-Type", "").startswith(APPLY_PATCH):
+                after = self._applied(request, current)
+                self._validate(request.resource, after)
+                return aiohttp.web.json_response(after, status=200 if current else 201)
+            if current is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            if request.action == kmock.action.DELETE:
+                return aiohttp.web.json_response(current)
+            self._prepare_patch(request)
+            if isinstance(request.data, list):
+                return aiohttp.web.json_response(jsonpatch.apply_patch(current, request.data))
+            return aiohttp.web.json_response(merge_patch(current, request.data))
+
+    def _stored(self, request: kmock.Request) -> Obj | None:
+        key = (request.resource, request.namespace, request.name)
+        return self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+
+    def _applied(self, request: kmock.Request, current: Obj | None) -> Obj:
+        """What a server-side apply makes of the stored object (``current``; None: it creates)."""
         config = request.data if request.data is not None else yaml.safe_load(request.text)
         manager = request.params.get("fieldManager")
         if not isinstance(config, dict) or not manager:
             raise kmock.KubernetesError(status=400, reason="BadRequest",
                                         message="an apply needs an object and a fieldManager")
-        key = (request.resource, request.namespace, request.name)
-        current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
         try:
-            after = kube_fields.apply(current, config, manager, force=request.params.get("force") == "true",
-                                      now=_now())
+            return kube_fields.apply(current, config, manager, force=request.params.get("force") == "true", now=_now())
         except kube_fields.Conflict as exc:
             raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from exc
+
+    async def _apply(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Server-side apply: a create when the object does not exist, else the merge patch that
+        makes the stored object what kube_fields.apply computes; nothing at all if it changes nothing."""
+        key = (request.resource, request.namespace, request.name)
+        current = self._stored(request)
+        after = self._applied(request, current)
         if current is not None and _unchanged(current, after):
             return aiohttp.web.json_response(current)
         request.data.clear()

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import threading
@@ -324,10 +325,11 @@ def crd_of(group: str, version: str, kind: str, plural: str) -> Obj:
 
 class HttpStandIn:
     """A real HTTP server on a free localhost port; ``respond(path)`` → (content type, body) for a
-    GET, ``post(path, JSON body)`` → a JSON answer for a POST (404 without it)."""
+    GET, ``post(path, JSON body)`` → a JSON answer for a POST (404 without it); HTTPS with ``tls``
+    (certificate, key)."""
 
     def __init__(self, respond: Callable[[str], tuple[str, bytes]],
-                 post: Callable[[str, Any], Any] | None = None) -> None:
+                 post: Callable[[str, Any], Any] | None = None, tls: tuple[Path, Path] | None = None) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
                 self.answer(*respond(self.path))
@@ -351,7 +353,11 @@ class HttpStandIn:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{self.port}"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:

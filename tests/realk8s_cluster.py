@@ -33,7 +33,10 @@ class HandlerFailed(AssertionError):
     """One of the operator's kopf handlers raised (kopf retries it later)."""
 
 
-HANDLER_FAILED = re.compile(r"^.*\[ERROR +\] .*Handler '\w+' failed.*$(?:\n^  .*$)?", re.MULTILINE)
+# kopf's log of a handler that raised; not the retries of writes the API server did not take, which
+# the resource's status reports (controller.WritesFailed)
+HANDLER_FAILED = re.compile(r"^.*\[ERROR +\] .*Handler '\w+' failed(?! temporarily: (?:ChildRefused|ApplyFailed|"
+                            r"RouteRefused): ).*$(?:\n^  .*$)?", re.MULTILINE)
 
 
 class RealCluster(Cluster):

@@ -349,7 +349,9 @@ def unprovable(grants: set[Permission], served: set[str]) -> set[Permission]:
 
 
 def denied(event: Obj) -> bool:
-    return event.get("responseStatus", {}).get("code") == 403
+    """Whether RBAC denied the request (the authorizer's audit annotation); a 403 from admission (a
+    webhook, a quota) is the cluster's answer to what was asked, not a missing permission."""
+    return (event.get("annotations") or {}).get("authorization.k8s.io/decision") == "forbid"
 
 
 def describe(event: Obj) -> str:

@@ -311,7 +311,7 @@ EXPECTED_RULES = {
     ("monitoring.coreos.com", "servicemonitors"): APPLIED,
     ("gateway.networking.k8s.io", "httproutes"): ["get", "patch"],
     ("", "pods"): ["list", "watch"],
-    ("", "events"): ["create"],
+    ("", "events"): ["create", "list"],
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
     ("kopf.dev", "clusterkopfpeerings"): ["list", "watch", "patch"],
 }

@@ -7,6 +7,8 @@
 - the multi-pod workload kind chosen once: LeaderWorkerSet registered mid-life starts no canary
   and leaves the traffic Service alone; the workload-kind annotation changes it through a rollout;
 - a child the API server refuses (here a field newer than the emulated 1.30 server) in status;
+- every write dry-run first: a denied or failed write (a policy webhook, one that is down)
+  changes nothing, shows in status, and is retried until admitted;
 - watches the API server filters by label.
 """
 from __future__ import annotations
@@ -27,10 +29,11 @@ from operator_harness import (
     example,
     healthy,
     running_stable,
+    start_canary,
     wait_for,
 )
 
-from specdecode.operator import names
+from specdecode.operator import controller, names
 from specdecode.operator.controller import RUNTIME_POD_LABELS, WORKLOAD_LABELS
 from specdecode.operator.kube import MERGE_PATCH
 from specdecode.operator.render import render, revision
@@ -172,6 +175,77 @@ def test_a_child_the_api_server_refuses_shows_in_status_until_fixed(cluster: Clu
     assert "canaryRevision" not in cluster.status(NAME)
     wait_for(lambda: cluster.deployments(NAME)[names.workload_name(NAME, stable)].spec.replicas == 2,
              "every replica on the stable revision again")
+
+
+# A policy engine's answer (Gatekeeper, Kyverno: a validating webhook that denies), as the API server
+# words it (k8s.io/apiserver/pkg/admission/plugin/webhook/errors: "admission webhook %q denied the
+# request: %s"), and a webhook that is down (its "failed calling webhook" Internal error).
+DENIED = 'admission webhook "validation.gatekeeper.sh" denied the request: [no-canary] canaries need a ticket'
+WEBHOOK_DOWN = ('Internal error occurred: failed calling webhook "validation.gatekeeper.sh": failed to call '
+                'webhook: Post "https://gatekeeper-webhook-service.gatekeeper-system.svc:443/v1/admit": '
+                "dial tcp 10.96.0.12:443: connect: connection refused")
+
+
+def test_a_denied_write_changes_nothing_and_shows_in_status_until_admitted(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy denies the canary's Deployment. With maxSurge 0 the pass would scale the stable
+    down before applying the canary; every write is dry-run first, so nothing is written: the
+    stable keeps both replicas, Ready=False with ChildRefused and the webhook's words (and an
+    Event). A webhook that is down is ApplyFailed. Retried with backoff, the rollout goes on once
+    the writes are admitted."""
+    monkeypatch.setattr(controller, "RETRY_FIRST_SECONDS", 0.2)
+    monkeypatch.setattr(controller, "RETRY_MAX_SECONDS", 1.0)
+    assert cluster.server is not None
+    stable = running_stable(cluster, rollout={**example()["spec"]["rollout"], "maxSurge": 0})
+    stable_workload = names.workload_name(NAME, stable)
+    answer = {"error": kmock.KubernetesError(status=403, reason="Forbidden", message=DENIED)}
+
+    def policy(request: kmock.Request) -> None:
+        deployment = request.resource == kmock.resource("apps/v1/deployments")
+        named = request.name or (request.data or {}).get("metadata", {}).get("name")
+        if deployment and named != stable_workload and answer["error"] is not None:
+            raise answer["error"]
+
+    cluster.server.admission.append(policy)
+    canary = start_canary(cluster)
+    refused = wait_for(lambda: (c := cluster.condition(NAME, "Ready")).get("reason") == "ChildRefused" and c,
+                       "Ready=False, reason ChildRefused")
+    assert refused["message"] == f"Deployment {names.workload_name(NAME, canary)}: {DENIED}"
+    wait_for(lambda: ("Warning", "ChildRefused", refused["message"]) in cluster.events(NAME), "a ChildRefused Event")
+    assert set(cluster.deployments(NAME)) == {stable_workload}
+    assert cluster.deployments(NAME)[stable_workload].spec.replicas == 2  # not scaled down for a canary that never came
+    assert healthy(cluster.liveness_url)
+
+    answer["error"] = kmock.KubernetesError(status=500, reason="InternalError", message=WEBHOOK_DOWN)
+    failed = wait_for(lambda: (c := cluster.condition(NAME, "Ready")).get("reason") == "ApplyFailed" and c,
+                      "Ready=False, reason ApplyFailed")
+    assert failed["message"] == f"Deployment {names.workload_name(NAME, canary)}: {WEBHOOK_DOWN}"
+    assert cluster.deployments(NAME)[stable_workload].spec.replicas == 2
+
+    answer["error"] = None
+    wait_for(lambda: names.workload_name(NAME, canary) in cluster.deployments(NAME), "the canary's Deployment")
+    wait_for(lambda: cluster.condition(NAME, "Ready").get("reason") not in ("ChildRefused", "ApplyFailed"),
+             "Ready no longer about the writes")
+
+
+def test_the_emulator_stores_nothing_for_a_dry_run(cluster: Cluster) -> None:
+    """``dryRun=All`` answers as the write would (a refusal included) and stores nothing."""
+    cluster.stop_operator()
+    body = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "dry", "namespace": NS},
+            "spec": {"ports": [{"port": 80}]}}
+    applied = cluster.core.patch_namespaced_service("dry", NS, body, field_manager="t", dry_run="All",
+                                                    _content_type="application/apply-patch+yaml")
+    assert applied.metadata.name == "dry"
+    with pytest.raises(kubernetes.client.ApiException) as missing:
+        cluster.core.read_namespaced_service("dry", NS)
+    assert missing.value.status == 404
+    cluster.core.create_namespaced_service(NS, body)
+    cluster.core.patch_namespaced_service("dry", NS, {"metadata": {"labels": {"a": "b"}}}, dry_run="All")
+    cluster.core.delete_namespaced_service("dry", NS, dry_run="All")
+    assert not cluster.core.read_namespaced_service("dry", NS).metadata.labels
+    with pytest.raises(kubernetes.client.ApiException) as invalid:
+        cluster.core.patch_namespaced_service("dry", NS, {"spec": {"ports": [{"port": "eighty"}]}}, dry_run="All")
+    assert invalid.value.status == 422
 
 
 def test_the_api_server_filters_the_watches_by_label(cluster: Cluster) -> None:

@@ -224,6 +224,36 @@ def test_a_runtime_that_refuses_to_start_shows_in_status(cluster: Cluster) -> No
     wait_for(lambda: cluster.condition("smollm2-ngram", "Degraded").get("reason") == "AsExpected", "Degraded cleared")
 
 
+PENDING = yaml.safe_load((Path(__file__).parent / "fixtures" / "pending_failures.yaml").read_text())
+
+
+def test_pods_that_never_come_show_in_status(cluster: Cluster) -> None:
+    """Failures that make no container exit, in the shapes a real cluster gives them
+    (fixtures/pending_failures.yaml): a Deployment whose ReplicaSet a quota forbids to create pods
+    is Degraded=True, FailedCreate, with the quota's words; then a pod no node can take is
+    Unschedulable, with the scheduler's; both clear once the pod runs."""
+    stable = running_stable(cluster, replicas=1)
+    (workload,) = cluster.deployments("smollm2-ngram")
+    (quota,) = PENDING["deployment_quota"]["workloads"][0]["status"]["conditions"][1:2]
+    cluster.apps.patch_namespaced_deployment_status(workload, NS, {"status": {"readyReplicas": 0,
+                                                                              "conditions": [quota]}})
+    degraded = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "Degraded")).get("reason") == "FailedCreate"
+                        and c, "Degraded=True, reason FailedCreate")
+    assert degraded["message"] == f"Deployment {workload} (revision {stable}): {' '.join(quota['message'].split())}"
+    assert ("Warning", "FailedCreate", degraded["message"]) in cluster.events("smollm2-ngram")
+
+    (pending,) = PENDING["unschedulable_gpu"]["pods"]
+    cluster.apps.patch_namespaced_deployment_status(workload, NS, {"status": {"conditions": []}})  # created now
+    pod = cluster.runtime_pod("smollm2-ngram", stable, pending["status"])
+    unschedulable = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "Degraded")).get("reason") == (
+        "Unschedulable") and c, "Degraded=True, reason Unschedulable")
+    assert unschedulable["message"].startswith(f"pod {pod} (revision {stable}): unschedulable: 0/3 nodes are "
+                                               "available: 3 Insufficient nvidia.com/gpu.")
+    cluster.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": "Running", "conditions": [
+        {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]}})
+    wait_for(lambda: cluster.condition("smollm2-ngram", "Degraded").get("reason") == "AsExpected", "Degraded cleared")
+
+
 def test_good_canary_is_promoted_step_by_step(cluster: Cluster, stand_ins: list[HttpStandIn]) -> None:
     stable = running_stable(cluster)
     canary = start_canary(cluster)

@@ -3,6 +3,7 @@ versions wrote, the workload kind chosen once), readiness, scrape targets, the s
 configuration from the environment, the operator's metrics and its per-resource memory."""
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -10,7 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import kopf
+import kubernetes
 import pytest
+import urllib3
 from prometheus_client import generate_latest
 
 from specdecode.operator import kube, metrics, names
@@ -31,6 +34,7 @@ from specdecode.operator.reconcile import (
     LEGACY_MANAGERS,
     Plan,
     applied_form,
+    children_of,
     contains,
     desired_kind,
     handed_over,
@@ -108,6 +112,17 @@ def test_a_fresh_resource_applies_its_revision_and_the_shared_objects_owned() ->
         assert (owner["uid"], owner["controller"], owner["blockOwnerDeletion"]) == ("owner-uid", True, True)
         assert obj["metadata"]["labels"]["team"] == "ml"  # the resource's labels, under ours
         assert len(obj["metadata"]["annotations"][names.ANNOTATION_APPLIED]) == 16
+
+
+def test_objects_another_controller_owns_are_not_children_even_with_our_labels() -> None:
+    """A LeaderWorkerSet's StatefulSets may carry the labels of the LeaderWorkerSet they were made
+    from; they are its to scale and delete, not ours."""
+    r = resolved(parallelism={"pipeline": 2})
+    ours = live(build_workloads(r, "rev1", 1, leader_worker_set=True))
+    theirs = {**ours[0], "kind": "StatefulSet", "metadata": {**ours[0]["metadata"], "ownerReferences": [
+        {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "name": "demo-rev1", "uid": "lws-uid", "controller": True}]}}
+    unowned = {**ours[0], "metadata": {k: v for k, v in ours[0]["metadata"].items() if k != "ownerReferences"}}
+    assert children_of([*ours, theirs, unowned], OWNER) == [*ours, unowned]
 
 
 def test_what_already_runs_is_left_alone() -> None:
@@ -214,6 +229,18 @@ class Discovery:
     def __call__(self) -> bool:
         self.asked += 1
         return self.serves
+
+
+def test_a_failed_write_is_a_refusal_only_when_the_api_server_answered_4xx() -> None:
+    denied = kubernetes.client.ApiException(status=403, reason="Forbidden")
+    denied.body = json.dumps({"kind": "Status", "message": 'admission webhook "p" denied the request: no'})
+    down = kubernetes.client.ApiException(status=500, reason="Internal Server Error")  # no Status body
+    unreachable = urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")
+    failed = [kube.WriteFailed.of(exc) for exc in (denied, down, unreachable)]
+    assert [(f.status, f.refused) for f in failed] == [(403, True), (500, False), (None, False)]
+    assert failed[0].message == 'admission webhook "p" denied the request: no' and failed[1].message == (
+        "Internal Server Error")
+    assert failed[2].message.startswith("no answer from the API server: ")
 
 
 def test_the_multi_pod_kind_is_chosen_once_then_kept_until_asked_for_another() -> None:

@@ -11,6 +11,7 @@ from specdecode.operator.analysis import History, Measurement, MetricSnapshot, V
 from specdecode.operator.render import revision
 from specdecode.operator.resolve import resolve
 from specdecode.operator.equivalence import ProbeResult
+from specdecode.operator.failures import Failure
 from specdecode.operator.capacity import Replicas, max_surge, max_unavailable, next_move, step_replicas
 from specdecode.operator.rollout import (
     Command,
@@ -72,13 +73,13 @@ class Operator:
         self.last: Transition | None = None
 
     def tick(self, desired: str, verdict: Verdict | None = None, commands: dict[Command, str] | None = None,
-             ready: dict[str, int] | None = None, refusal: str | None = None, analysed: bool | None = None,
+             ready: dict[str, int] | None = None, failure: Failure | None = None, analysed: bool | None = None,
              not_ready: str | None = None, probe: ProbeResult | None = None) -> Transition:
         """One reconciliation: an analysis interval's when given a verdict (or ``analysed``); the
         route, if any, takes the weight asked for at once."""
         self.last = advance(self.status, desired, self.spec, now=self.now, ready=self.ready if ready is None else ready,
                             verdict=verdict, analysed=verdict is not None if analysed is None else analysed,
-                            commands=commands, refusal=refusal, not_ready=not_ready, probe=probe)
+                            commands=commands, failure=failure, not_ready=not_ready, probe=probe)
         self.status = weight_in_effect(self.last.status, self.last.status.rollout.canary_weight, self.spec, self.now)
         self.ready = dict(self.last.replicas)
         self.now += INTERVAL
@@ -112,17 +113,51 @@ def test_first_creation_is_stable_at_once():
 def test_a_runtime_that_refuses_to_start_degrades_until_it_starts():
     refused = "pod demo-rev1-x (revision rev1): runtime exited with code 1: specdecode serve: cannot start: no MTP layers"
     op = Operator(make_spec(replicas=1))
-    t = op.tick("rev1", ready={}, refusal=refused)
+    t = op.tick("rev1", ready={}, failure=Failure("RuntimeRefused", refused))
     degraded = condition(t.status, ConditionType.DEGRADED)
     assert (degraded.status, degraded.reason, degraded.message) == (ConditionStatus.TRUE, "RuntimeRefused", refused)
     assert condition(t.status, ConditionType.READY).status == ConditionStatus.FALSE
     assert [(e.type, e.reason, e.message) for e in t.events if e.reason == "RuntimeRefused"] == [
         (EventType.WARNING, "RuntimeRefused", refused)]
-    again = op.tick("rev1", ready={}, refusal=refused)  # still refusing: no second event, the condition holds
+    again = op.tick("rev1", ready={}, failure=Failure("RuntimeRefused", refused))  # still refusing: no second event, the condition holds
     assert again.events == () and condition(again.status, ConditionType.DEGRADED) == degraded
     fixed = op.tick("rev1", ready={"rev1": 1})
     assert condition(fixed.status, ConditionType.DEGRADED).reason == "AsExpected"
     assert condition(fixed.status, ConditionType.READY).status == ConditionStatus.TRUE
+
+
+def test_pods_that_never_come_degrade_with_the_reason_and_a_first_deploy_has_a_progress_deadline():
+    """A quota forbids the first deploy's pods (FailedCreate): Degraded says so at once, with an
+    Event; the deadline passes with nothing ready: Progressing and (once the failure is gone but
+    the pods still do not come) Degraded say ProgressDeadlineExceeded, one Event; a replica turning
+    ready restarts the clock, and all ready clears it."""
+    spec = make_spec(replicas=2, progressDeadline="10m")
+    op = Operator(spec)
+    quota = Failure("FailedCreate", 'Deployment demo-rev1 (revision rev1): pods "demo-rev1-x" is forbidden: '
+                                    "exceeded quota: gpus")
+    t = op.tick("rev1", ready={}, failure=quota)
+    assert (condition(t.status, ConditionType.DEGRADED).reason, condition(t.status, ConditionType.DEGRADED).message
+            ) == ("FailedCreate", quota.message)
+    assert [(e.type, e.reason) for e in t.events if e.reason == "FailedCreate"] == [(EventType.WARNING, "FailedCreate")]
+    op.now += timedelta(minutes=11)
+    t = op.tick("rev1", ready={}, failure=quota)
+    assert condition(t.status, ConditionType.DEGRADED).reason == "FailedCreate"  # the failure says more
+    progressing = condition(t.status, ConditionType.PROGRESSING)
+    assert (progressing.status, progressing.reason) == (ConditionStatus.FALSE, "ProgressDeadlineExceeded")
+    assert progressing.message == "revision rev1: 0 of 2 replicas ready, none more within progressDeadline 10m"
+    assert [e.reason for e in t.events] == ["ProgressDeadlineExceeded"]
+    t = op.tick("rev1", ready={})
+    assert condition(t.status, ConditionType.DEGRADED).reason == "ProgressDeadlineExceeded" and not t.events
+    t = op.tick("rev1", ready={"rev1": 1})  # progress: the clock restarts
+    assert condition(t.status, ConditionType.DEGRADED).reason == "AsExpected"
+    assert condition(t.status, ConditionType.PROGRESSING).reason == "Stable"
+    op.now += timedelta(minutes=11)
+    assert condition(op.tick("rev1", ready={"rev1": 1}).status, ConditionType.DEGRADED).reason == (
+        "ProgressDeadlineExceeded")
+    t = op.tick("rev1", ready={"rev1": 2})
+    assert condition(t.status, ConditionType.DEGRADED).reason == "AsExpected"
+    assert t.status.rollout.progress_at is None and condition(t.status, ConditionType.READY).status == (
+        ConditionStatus.TRUE)
 
 
 def test_a_canary_is_promoted_step_by_step():

@@ -1,13 +1,13 @@
 """traffic: the weights the operator sets on the user's HTTPRoute (pure; the controller applies them)."""
-import json
 import logging
 from typing import Any
 
-import kubernetes
 import pytest
 
-from specdecode.operator import names
+from specdecode.operator import kube, names
 from specdecode.operator.controller import _route
+from specdecode.operator.loop import Unwritten
+from specdecode.operator.reconcile import APPLY_FAILED, ROUTE_REFUSED
 from specdecode.operator.resolve import Resolved, resolve
 from specdecode.operator.traffic import RouteError, backends, route_patch
 
@@ -75,13 +75,13 @@ def test_backends_use_the_service_port() -> None:
     assert [b["weight"] for b in backends(resolved(), 0)] == [100, 0]
 
 
-def test_a_route_the_api_server_refuses_is_a_status_warning_not_a_crash() -> None:
+def test_a_route_the_api_server_refuses_is_a_status_condition_not_a_crash() -> None:
     """A policy engine or validation answering the route patch with a 4xx: the weights are not
-    set, status says why, traffic follows the replica ratio; the reconciliation goes on."""
-    refusal = kubernetes.client.ApiException(status=422, reason="Unprocessable Entity")
-    refusal.body = json.dumps({"kind": "Status", "message": 'HTTPRoute.gateway.networking.k8s.io "gateway" is '
-                               'invalid: spec.rules[0]: Invalid value: "object": RequestRedirect filter must not be '
-                               'used together with backendRefs'})
+    set, ``RouteRefused`` with the server's words, traffic follows the replica ratio; a 5xx is
+    ``ApplyFailed`` and the weight is not in effect (the next pass sets it)."""
+    message = ('HTTPRoute.gateway.networking.k8s.io "gateway" is invalid: spec.rules[0]: Invalid value: "object": '
+               "RequestRedirect filter must not be used together with backendRefs")
+    failure = {"status": 422}
 
     class Refusing:
         def serves(self, _: str) -> bool:
@@ -91,13 +91,12 @@ def test_a_route_the_api_server_refuses_is_a_status_warning_not_a_crash() -> Non
             return route(CHAT)
 
         def patch_unless_changed(self, _: dict[str, Any]) -> bool:
-            raise refusal
+            raise kube.WriteFailed(failure["status"], message)
 
-    warnings, in_effect = _route(Refusing(), resolved(), 30, logging.getLogger("test"))
-    assert in_effect and warnings == [
-        "HTTPRoute gateway refused the weights (HTTP 422: HTTPRoute.gateway.networking.k8s.io \"gateway\" is invalid: "
-        "spec.rules[0]: Invalid value: \"object\": RequestRedirect filter must not be used together with "
-        "backendRefs): traffic follows the replica ratio"]
-    refusal.status = 503
-    with pytest.raises(kubernetes.client.ApiException):  # not the route's answer: kopf retries
-        _route(Refusing(), resolved(), 30, logging.getLogger("test"))
+    warnings, in_effect, unwritten = _route(Refusing(), resolved(), 30, logging.getLogger("test"))
+    assert in_effect and not warnings
+    assert unwritten == Unwritten(ROUTE_REFUSED, f"HTTPRoute gateway refused the weights: {message}; traffic "
+                                                 "follows the replica ratio")
+    failure["status"] = 503
+    _, in_effect, unwritten = _route(Refusing(), resolved(), 30, logging.getLogger("test"))
+    assert not in_effect and unwritten == Unwritten(APPLY_FAILED, f"HTTPRoute gateway: {message}")

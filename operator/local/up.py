@@ -33,7 +33,8 @@ from specdecode.operator.local.store import Store, default_root
 from specdecode.operator.local.traffic import Summary
 from specdecode.operator.loop import Carried, converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
-from specdecode.operator.rollout import COMMAND_ANNOTATIONS, RUNTIME_REFUSED, Command
+from specdecode.operator.failures import RUNTIME_REFUSED
+from specdecode.operator.rollout import COMMAND_ANNOTATIONS, Command
 from specdecode.operator.spec import ConditionType, EquivalenceState, ModelScheme, SpecDecodeDeploymentStatus
 
 log = logging.getLogger("specdecode.up")
