@@ -176,27 +176,17 @@ def random_hf_weights(cfg, seed: int, std: float = 0.1) -> dict[str, torch.Tenso
 @pytest.fixture(scope="session")
 def full_forward():
     """``(model, input_ids) -> logits [T, vocab] fp32``: one causal prefill over a fresh paged KV pool."""
-    from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
+    from specdecode.runtime.engine.model_runner import Span, build_attention_batch
+    from specdecode.runtime.models.attention import kv_pool
 
     def run(model, input_ids: list[int], block_size: int = 16) -> torch.Tensor:
         cfg = model.config
         param = next(model.parameters())
-        T = len(input_ids)
-        num_blocks = -(-T // block_size)
-        pools = [
-            tuple(torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=param.dtype,
-                              device=param.device) for _ in range(2))
-            for _ in range(cfg.num_layers)
-        ]
-        pos = torch.arange(T, device=param.device)
-        keys = torch.arange(num_blocks * block_size, device=param.device)
-        group = AttentionGroup(
-            token_index=pos[None],  # [1, T]
-            valid_rows=pos,
-            block_tables=torch.arange(num_blocks, device=param.device)[None],  # [1, num_blocks]
-            mask=(keys[None, :] <= pos[:, None])[None, None],  # [1, 1, T, num_blocks * block_size]
-        )
-        batch = AttentionBatch(positions=pos, slot_mapping=pos, groups=[group])
+        num_blocks = -(-len(input_ids) // block_size)
+        pools = [kv_pool(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=param.dtype, device=param.device)
+                 for _ in range(cfg.num_layers)]
+        batch = build_attention_batch([Span(list(range(num_blocks)), 0, len(input_ids))], block_size, num_blocks,
+                                      param.device)
         with torch.inference_mode():
             ids = torch.tensor(input_ids, dtype=torch.long, device=param.device)
             return model.compute_logits(model(ids, pools, batch))  # [T, vocab] fp32

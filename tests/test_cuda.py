@@ -258,3 +258,65 @@ def test_seeded_sampling_and_logprobs_on_cuda(sharp_dirs, make_engine, run_all):
     for a, b in zip(logprobs["plain"], logprobs["ngram"]):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+# ---------------------------------------------------------------- paged attention kernels
+
+# SmolLM2-135M's attention: 9 query heads over 3 kv heads, head_dim 64, the pool's 16-slot blocks
+SMOLLM_ATTENTION = dict(block_size=16, num_heads=9, kv_heads=3, head_dim=64)
+
+
+def _attention_paths_equal_reference(batch, decode: bool) -> torch.Tensor:
+    """Every compiled path that takes the batch against the reference; the same outputs, bit for bit,
+    when every slot no sequence may read holds NaN/inf. Returns the dispatcher's output."""
+    from specdecode.kernels import paged_attention as pa
+    from test_kernels_attention import _close, poisoned
+
+    args, kwargs = batch.args(), batch.kwargs()
+    reference = pa.paged_attention_reference(*args, **kwargs)
+    dispatch = pa.paged_decode_attention if decode else pa.paged_prefill_attention
+    paths = {
+        "dispatcher": lambda b: dispatch(*b.args(), **kwargs),  # picks Triton for CUDA tensors
+        "prefill block_m=128 block_n=128": lambda b: pa.paged_prefill_attention_triton(
+            *b.args(), **kwargs, block_m=128, block_n=128),
+        "prefill block_m=16 block_n=16": lambda b: pa.paged_prefill_attention_triton(
+            *b.args(), **kwargs, block_m=16, block_n=16),
+    }
+    if decode:
+        paths["prefill"] = lambda b: pa.paged_prefill_attention_triton(*b.args(), **kwargs)  # short rows mixed in
+        paths["decode block_n=16"] = lambda b: pa.paged_decode_attention_triton(*b.args(), **kwargs, block_n=16)
+    bad = poisoned(batch)
+    for name, path in paths.items():
+        out = path(batch)
+        assert out.is_cuda, name
+        _close(out, reference, name)
+        dirty = path(bad)
+        assert dirty.isfinite().all() and torch.equal(dirty, out), f"{name}: an unreadable slot changed the output"
+    return paths["dispatcher"](batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_equals_reference(dtype):
+    """32 sequences with 1k-token contexts: decode rows mixed with K+1 = 4 verify chains, sequences 0
+    and 1 sharing a 960-token prefix, up to 2 hidden keys per sequence, partial last blocks."""
+    from test_kernels_attention import make_batch
+
+    gen = torch.Generator().manual_seed(0)
+    lens = (1000 + torch.randint(0, 100, (32,), generator=gen)).tolist()
+    seqs = [(n, 4 if b % 3 == 0 else 1) for b, n in enumerate(lens)]
+    batch = make_batch(0, seqs, **SMOLLM_ATTENTION, dtype=dtype, shared_prefix_blocks=60, num_hidden=2, device=CUDA)
+    assert batch.hidden_keys is not None and (batch.hidden_keys >= 0).any()
+    _attention_paths_equal_reference(batch, decode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [0, 2], ids=["no_hidden", "hidden"])
+def test_paged_prefill_attention_equals_reference(dtype, hidden):
+    """A 512-row chunk over a 1k cached prefix, a 300-row chunk sharing that prefix's first 1k tokens,
+    a whole 37-token prompt, a verify chain and a decode row in one launch."""
+    from test_kernels_attention import make_batch
+
+    seqs = [(1024 + 512, 512), (1024 + 300, 300), (37, 37), (1100, 4), (1, 1)]
+    batch = make_batch(1, seqs, **SMOLLM_ATTENTION, dtype=dtype, shared_prefix_blocks=64, num_hidden=hidden,
+                       device=CUDA)
+    _attention_paths_equal_reference(batch, decode=False)

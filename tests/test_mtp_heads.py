@@ -167,12 +167,14 @@ def reference_drafts(target, weights, cfg, tokens: list[int], k: int, tap: str, 
 @pytest.fixture(scope="module")
 def pre_norm_hidden():
     from specdecode.runtime.engine.model_runner import Span, build_attention_batch
+    from specdecode.runtime.models.attention import kv_pool
 
     def run(model, ids: list[int]) -> torch.Tensor:
         c = model.config
         blocks = -(-len(ids) // 16)
-        pools = [tuple(torch.zeros(blocks, 16, c.num_kv_heads, c.head_dim) for _ in range(2)) for _ in range(c.num_layers)]
-        batch = build_attention_batch([Span(list(range(blocks)), 0, len(ids))], 16, torch.device("cpu"))
+        pools = [kv_pool(blocks, 16, c.num_kv_heads, c.head_dim, dtype=torch.float32, device=torch.device("cpu"))
+                 for _ in range(c.num_layers)]
+        batch = build_attention_batch([Span(list(range(blocks)), 0, len(ids))], 16, blocks, torch.device("cpu"))
         with torch.inference_mode():
             return model(torch.tensor(ids), pools, batch).clone()
 

@@ -57,7 +57,7 @@ def test_stage_forwards_chained_equal_the_whole_model(tiny_hf_model_dir, tiny):
     logits equal the whole model's."""
     whole, tokenizer = tiny
     ids = torch.tensor(tokenizer.encode("The quick brown fox jumps over the lazy dog"))
-    batch = build_attention_batch([Span([0, 1], 0, len(ids))], 16, torch.device("cpu"))
+    batch = build_attention_batch([Span([0, 1], 0, len(ids))], 16, 2, torch.device("cpu"))
 
     def forward(model, inputs):
         runner = ModelRunner(model, num_blocks=2, block_size=16, device=torch.device("cpu"), dtype=torch.float32)

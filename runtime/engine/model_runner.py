@@ -2,7 +2,8 @@
 of the rows that decide tokens, and every row's hidden state (what an MTP head drafts from).
 
 All host→device traffic of a step happens in ``prepare``: the flat token batch, positions,
-slot mapping and the attention groups are built on the host and moved once. Under tensor
+slot mapping and the attention metadata (block tables, sequence lengths, query offsets) are built
+on the host and moved once. Under tensor
 parallelism rank 0's runner hands what ``prepare`` built to its ``StepChannel``, which sends it
 to the other ranks and runs the forward in lockstep with theirs; each rank's pools hold its own
 KV heads under the same block tables.
@@ -18,14 +19,12 @@ from specdecode.runtime.config import CacheConfig
 from specdecode.runtime.engine.sampler import gather_logprobs
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import TokenLogprob
-from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
+from specdecode.runtime.models.attention import AttentionBatch, kv_pool
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
     from specdecode.runtime.parallel.step_channel import StepChannel
 
-# Sequences computing at most this many tokens share one padded attention call.
-SHORT_QUERY_TOKENS = 16
 # Prompt logprobs are scored this many rows at a time: bounds the [rows, vocab] logits they need.
 PROMPT_LOGPROB_ROWS = 256
 
@@ -42,7 +41,7 @@ def num_kv_blocks(cache: CacheConfig, model: DecoderLM, dtype: torch.dtype) -> i
     """The pool size in blocks: as configured, or what the memory budget holds (the same on every rank)."""
     if cache.num_blocks:
         return cache.num_blocks
-    return max(2, int(cache.memory_gib * 2**30) // kv_bytes_per_block(model, cache.block_size, dtype))
+    return max(2, int(cache.memory_gib * 2**30) // kv_bytes_per_block(model, cache.block_size, dtype) - 1)  # + null block
 
 
 class ModelRunner:
@@ -62,11 +61,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.channel = channel  # rank 0 of a tensor-parallel group; None otherwise
-        shape = (num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
-        self.kv_pools = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_local_layers)
-        ]
+        self.null_block = num_blocks  # one past the block manager's: padding reads and writes it
+        self.kv_pools = [kv_pool(num_blocks, block_size, model.num_local_kv_heads, c.head_dim, dtype=dtype, device=device)
+                         for _ in range(model.num_local_layers)]
         self.num_forwards = 0
 
     @torch.inference_mode()
@@ -119,10 +116,10 @@ class ModelRunner:
             if item.samples:
                 sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
         spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
-        batch = build_attention_batch(spans, self.block_size, self.device)
+        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
         to = dict(device=self.device, dtype=torch.long)
         return PreparedStep(torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to),
-                            torch.tensor(prompt_rows, **to), prompt_token_ids, prompt_num_top)
+                            torch.tensor(prompt_rows, **to), prompt_token_ids, prompt_num_top, self.null_block)
 
 
 @dataclass
@@ -135,19 +132,17 @@ class PreparedStep:
     prompt_rows: torch.Tensor  # [P] long: the rows that score the next prompt token's logprob
     prompt_token_ids: list[int]  # [P] the prompt token each of them scores
     prompt_num_top: list[int]  # [P] the alternatives asked for with each
+    null_block: int  # the pools' null block (block-table padding)
 
     def then(self, other: PreparedStep) -> PreparedStep:
         """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a
         step's prompt chunks while the previous step runs, its decode rows after)."""
         offset = self.input_ids.numel()
-        groups = [replace(g, token_index=g.token_index + offset) for g in other.batch.groups]
-        batch = AttentionBatch(torch.cat([self.batch.positions, other.batch.positions]),
-                               torch.cat([self.batch.slot_mapping, other.batch.slot_mapping]),
-                               self.batch.groups + groups)
-        return PreparedStep(torch.cat([self.input_ids, other.input_ids]), batch,
+        return PreparedStep(torch.cat([self.input_ids, other.input_ids]), joined(self.batch, other.batch, self.null_block),
                             torch.cat([self.sample_rows, other.sample_rows + offset]),
                             torch.cat([self.prompt_rows, other.prompt_rows + offset]),
-                            self.prompt_token_ids + other.prompt_token_ids, self.prompt_num_top + other.prompt_num_top)
+                            self.prompt_token_ids + other.prompt_token_ids, self.prompt_num_top + other.prompt_num_top,
+                            self.null_block)
 
 
 @dataclass
@@ -167,42 +162,45 @@ class Span:
     hidden_keys: tuple[int, ...] = ()
 
 
-def build_attention_batch(spans: list[Span], block_size: int, device: torch.device) -> AttentionBatch:
-    """Positions, KV slots and attention groups for a flat batch of ``spans`` laid out in order:
-    every short span (≤ ``SHORT_QUERY_TOKENS``) in one padded group, each longer one alone."""
+def build_attention_batch(spans: list[Span], block_size: int, null_block: int, device: torch.device) -> AttentionBatch:
+    """Positions, KV slots and the attention metadata for a flat batch of ``spans`` laid out in
+    order; block tables padded with ``null_block``."""
     positions: list[int] = []
     slots: list[int] = []
-    firsts: list[int] = []
     for span in spans:
-        firsts.append(len(positions))
         for pos in range(span.start, span.start + span.count):
             positions.append(pos)
             slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
-    placed = list(zip(firsts, spans))
-    short = [p for p in placed if p[1].count <= SHORT_QUERY_TOKENS]
-    groups = [_group(short, block_size, device)] if short else []
-    groups += [_group([p], block_size, device) for p in placed if p[1].count > SHORT_QUERY_TOKENS]
+    width = max((len(span.block_table) for span in spans), default=0)
+    tables = [span.block_table + [null_block] * (width - len(span.block_table)) for span in spans]
+    starts = [0]
+    for span in spans:
+        starts.append(starts[-1] + span.count)
+    hidden_width = max((len(span.hidden_keys) for span in spans), default=0)
     to = dict(device=device, dtype=torch.long)
-    return AttentionBatch(torch.tensor(positions, **to), torch.tensor(slots, **to), groups)
+    return AttentionBatch(
+        positions=torch.tensor(positions, **to), slot_mapping=torch.tensor(slots, **to),
+        block_tables=torch.tensor(tables, **to).view(len(spans), width),
+        seq_lens=torch.tensor([span.start + span.count for span in spans], **to),
+        query_start=torch.tensor(starts, **to), block_size=block_size,
+        max_query_len=max((span.count for span in spans), default=0),
+        hidden_keys=torch.tensor([list(span.hidden_keys) + [-1] * (hidden_width - len(span.hidden_keys))
+                                  for span in spans], **to) if hidden_width else None)
 
 
-def _group(placed: list[tuple[int, Span]], block_size: int, device: torch.device) -> AttentionGroup:
-    """One padded SDPA call over spans placed at their first flat row."""
-    q_len = max(span.count for _, span in placed)
-    num_blocks = max(len(span.block_table) for _, span in placed)
-    bsz = len(placed)
-    token_index = torch.zeros(bsz, q_len, dtype=torch.long)
-    query_pos = torch.zeros(bsz, q_len, dtype=torch.long)
-    block_tables = torch.zeros(bsz, num_blocks, dtype=torch.long)
-    for b, (first, span) in enumerate(placed):
-        token_index[b, : span.count] = torch.arange(first, first + span.count)
-        query_pos[b, : span.count] = torch.arange(span.start, span.start + span.count)
-        block_tables[b, : len(span.block_table)] = torch.tensor(span.block_table)
-    token_valid = torch.arange(q_len)[None, :] < torch.tensor([span.count for _, span in placed])[:, None]
-    valid_rows = token_valid.view(-1).nonzero()[:, 0]
-    key_pos = torch.arange(num_blocks * block_size)
-    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
-    for b, (_, span) in enumerate(placed):
-        if span.hidden_keys:  # only MTP chain spans have any: the target's forward skips this
-            mask[b, :, :, list(span.hidden_keys)] = False
-    return AttentionGroup(token_index.to(device), valid_rows.to(device), block_tables.to(device), mask.to(device))
+def joined(first: AttentionBatch, second: AttentionBatch, null_block: int) -> AttentionBatch:
+    """``first``'s rows and sequences followed by ``second``'s."""
+    width = max(first.block_tables.shape[1], second.block_tables.shape[1])
+
+    def padded(tables: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(tables, (0, width - tables.shape[1]), value=null_block)
+
+    if first.hidden_keys is not None or second.hidden_keys is not None:
+        raise ValueError("an MTP chain step (hidden keys) is never joined to another")
+    return AttentionBatch(
+        positions=torch.cat([first.positions, second.positions]),
+        slot_mapping=torch.cat([first.slot_mapping, second.slot_mapping]),
+        block_tables=torch.cat([padded(first.block_tables), padded(second.block_tables)]),
+        seq_lens=torch.cat([first.seq_lens, second.seq_lens]),
+        query_start=torch.cat([first.query_start, second.query_start[1:] + first.positions.numel()]),
+        block_size=first.block_size, max_query_len=max(first.max_query_len, second.max_query_len))

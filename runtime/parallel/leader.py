@@ -63,7 +63,7 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
     try:
         loaded = load_model(cfg.load, TensorParallel(0, par.tensor_parallel_size), rank_stage(cfg, 0))
         groups = join_group(store, par, 0, device, peers_alive=lambda: leader.workers.alive)
-        leader.channel = StepChannel(groups.control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+        leader.channel = StepChannel(groups.control, loaded.device)
         if par.pipeline_parallel_size == 1:
             engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
                                leader.channel)

@@ -8,7 +8,8 @@ other rank only runs its stage's layers.
 A step (``PipelineExecution.launch``):
 
 1. rank 0 broadcasts the step's inputs to every rank (``StepChannel``: token ids, positions, KV
-   slots, attention groups — the same for every stage, so every stage writes the same slots);
+   slots, block tables, sequence lengths, query offsets — the same for every stage, so every
+   stage writes the same slots);
 2. rank 0 sends the verifier a ``TailPlan`` on the link group: what it must know of the step's
    sequences to sample them (new sequences' prompts and sampling parameters once, then per item
    its start, token count, drafts, block table and — for a constrained sequence — its rows' grammar

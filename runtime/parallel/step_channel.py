@@ -1,29 +1,29 @@
 """Rank 0 → every other rank: each step's model inputs, then at the end a shutdown message.
 
-A step is three broadcasts from rank 0, then the same forward on every rank:
+A step is two broadcasts from rank 0, then the same forward on every rank:
 
-1. the *header* on the gloo control group (CPU, fixed length ``3 + 4 * max_groups``):
-   ``[kind, T, G, (B, Q, N, M) per attention group…, 0 padding]`` — the sizes of what follows;
+1. the *header* on the gloo control group (CPU, ``HEADER`` longs):
+   ``[kind, T, B, M, H, max_query_len, block_size]`` — the sizes of what follows;
 2. one long tensor on the default group: ``input_ids, positions, slot_mapping`` ([T] each), then
-   per group ``token_index`` [B·Q], ``valid_rows`` [N], ``block_tables`` [B·M];
-3. one uint8 tensor on the default group: every group's ``mask`` [B·1·Q·(M·block_size)].
+   ``block_tables`` [B·M], ``seq_lens`` [B], ``query_start`` [B + 1] and ``hidden_keys`` [B·H].
 
-That is exactly what ``ModelRunner.prepare`` built on rank 0, already on the device. Only rank 0
-computes logits, samples and verifies. A step that fails part-way (a peer died or timed out, or
-rank 0's own forward raised) leaves the ranks out of lockstep: the channel is then *broken* for
-good and rank 0's engine stops (its ``/health`` fails) rather than sending another step.
+That is exactly what ``ModelRunner.prepare`` built on rank 0, already on the device: metadata a
+few hundred longs long, never a mask. Only rank 0 computes logits, samples and verifies. A step
+that fails part-way (a peer died or timed out, or rank 0's own forward raised) leaves the ranks
+out of lockstep: the channel is then *broken* for good and rank 0's engine stops (its ``/health``
+fails) rather than sending another step.
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from specdecode.runtime.models.attention import AttentionBatch, AttentionGroup
+from specdecode.runtime.models.attention import AttentionBatch
 
 SHUTDOWN, STEP = 0, 1
+HEADER = 7  # longs: kind, T, B, M, H, max_query_len, block_size
 Forward = Callable[[torch.Tensor, AttentionBatch], torch.Tensor]  # (input_ids [T], batch) → hidden [T, H]
 
 
@@ -32,11 +32,9 @@ class TensorParallelBroken(RuntimeError):
 
 
 class StepChannel:
-    def __init__(self, control: dist.ProcessGroup, device: torch.device, block_size: int, max_groups: int):
+    def __init__(self, control: dist.ProcessGroup, device: torch.device):
         self.control = control  # gloo, CPU: the headers
         self.device = device  # where the step tensors live (default group: NCCL on CUDA, gloo on CPU)
-        self.block_size = block_size
-        self.max_groups = max_groups  # at most one attention group per scheduled sequence
         self.broken = False
 
     # -- rank 0 ---------------------------------------------------------------------------------
@@ -55,48 +53,30 @@ class StepChannel:
     def close(self) -> None:
         """Tell every other rank to leave its loop (nothing is sent once broken)."""
         if not self.broken:
-            dist.broadcast(self._header(SHUTDOWN, 0, []), 0, group=self.control)
+            dist.broadcast(torch.tensor([SHUTDOWN] + [0] * (HEADER - 1), dtype=torch.long), 0, group=self.control)
 
     def _send(self, input_ids: torch.Tensor, batch: AttentionBatch) -> None:
-        groups = batch.groups
-        dims = [(*g.token_index.shape, g.valid_rows.numel(), g.block_tables.shape[1]) for g in groups]
-        dist.broadcast(self._header(STEP, input_ids.numel(), dims), 0, group=self.control)
-        per_group = (t.reshape(-1) for g in groups for t in (g.token_index, g.valid_rows, g.block_tables))
-        dist.broadcast(torch.cat([input_ids, batch.positions, batch.slot_mapping, *per_group]), 0)
-        dist.broadcast(torch.cat([g.mask.reshape(-1) for g in groups]).view(torch.uint8), 0)
-
-    def _header(self, kind: int, num_tokens: int, dims: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        if len(dims) > self.max_groups:
-            raise ValueError(f"{len(dims)} attention groups exceed the channel's {self.max_groups}")
-        header = torch.zeros(3 + 4 * self.max_groups, dtype=torch.long)  # [3 + 4·max_groups] CPU
-        values = [kind, num_tokens, len(dims), *itertools.chain.from_iterable(dims)]
-        header[: len(values)] = torch.tensor(values, dtype=torch.long)
-        return header
+        (num_seqs, width), hidden = batch.block_tables.shape, batch.hidden_keys
+        header = [STEP, input_ids.numel(), num_seqs, width, 0 if hidden is None else hidden.shape[1],
+                  batch.max_query_len, batch.block_size]
+        dist.broadcast(torch.tensor(header, dtype=torch.long), 0, group=self.control)
+        parts = [input_ids, batch.positions, batch.slot_mapping, batch.block_tables.reshape(-1), batch.seq_lens,
+                 batch.query_start, *([] if hidden is None else [hidden.reshape(-1)])]
+        dist.broadcast(torch.cat(parts), 0)
 
     # -- every other rank -----------------------------------------------------------------------
 
     def receive(self) -> tuple[torch.Tensor, AttentionBatch] | None:
         """Wait for rank 0's next step: (input_ids [T], batch), or None once told to shut down."""
-        header = torch.zeros(3 + 4 * self.max_groups, dtype=torch.long)
+        header = torch.zeros(HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.control)
-        kind, num_tokens, num_groups, *rest = header.tolist()
+        kind, num_tokens, num_seqs, width, hidden, max_query_len, block_size = header.tolist()
         if kind == SHUTDOWN:
             return None
-        dims = [rest[4 * i : 4 * i + 4] for i in range(num_groups)]  # (B, Q, N, M) per group
-        sizes = [num_tokens] * 3 + [n for b, q, v, m in dims for n in (b * q, v, b * m)]
+        sizes = [num_tokens] * 3 + [num_seqs * width, num_seqs, num_seqs + 1, num_seqs * hidden]
         longs = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
         dist.broadcast(longs, 0)
-        mask_sizes = [b * q * m * self.block_size for b, q, _, m in dims]
-        masks = torch.empty(sum(mask_sizes), dtype=torch.uint8, device=self.device)
-        dist.broadcast(masks, 0)
-        input_ids, positions, slot_mapping, *parts = longs.split(sizes)
-        groups = [
-            AttentionGroup(
-                token_index=parts[3 * i].view(b, q),
-                valid_rows=parts[3 * i + 1],
-                block_tables=parts[3 * i + 2].view(b, m),
-                mask=mask.view(torch.bool).view(b, 1, q, m * self.block_size),
-            )
-            for i, ((b, q, _, m), mask) in enumerate(zip(dims, masks.split(mask_sizes)))
-        ]
-        return input_ids, AttentionBatch(positions, slot_mapping, groups)
+        input_ids, positions, slot_mapping, tables, seq_lens, query_start, hidden_keys = longs.split(sizes)
+        return input_ids, AttentionBatch(
+            positions, slot_mapping, tables.view(num_seqs, width), seq_lens, query_start, block_size=block_size,
+            max_query_len=max_query_len, hidden_keys=hidden_keys.view(num_seqs, hidden) if hidden else None)

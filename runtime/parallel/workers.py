@@ -59,7 +59,7 @@ def worker_main(spec: WorkerSpec, joined: Connection) -> None:
     num_blocks = num_kv_blocks(cfg.cache, loaded.model, loaded.dtype)
     runner = ModelRunner(loaded.model, num_blocks, cfg.cache.block_size, loaded.device, loaded.dtype)
     groups = join_group(store, par, spec.rank, device)
-    channel = StepChannel(groups.control, loaded.device, cfg.cache.block_size, cfg.scheduler.max_num_seqs)
+    channel = StepChannel(groups.control, loaded.device)
     run = runner.forward
     if par.pipeline_parallel_size > 1:
         run = stage_worker(cfg, spec.rank, loaded, runner, GlooTransport(groups.link, par.verifier_rank)).run

@@ -36,6 +36,7 @@ from specdecode.runtime.engine.model_runner import Span, build_attention_batch
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.models.decoder import DecoderLM
+from specdecode.runtime.models.attention import kv_pool
 from specdecode.runtime.models.linear import linear
 from specdecode.runtime.models.hf_loader import is_hf_folder
 from specdecode.runtime.models.loader import served_name
@@ -73,12 +74,9 @@ class MtpProposer(Proposer):
         self.head, self.target = head, target
         self.block_size = block_size
         self.device, self.dtype = weight.device, weight.dtype
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_pools = [
-            [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-             for _ in module.blocks]
-            for module in head.layers
-        ]
+        self.null_block = num_blocks
+        self.kv_pools = [[kv_pool(num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                          for _ in module.blocks] for module in head.layers]
         num_modules = len(head.layers)
         self.block_carry = torch.zeros(num_blocks, num_modules, c.hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, _State] = {}
@@ -123,7 +121,7 @@ class MtpProposer(Proposer):
         m = j % num_modules
         others = [i for i in range(1, j) if i % num_modules != m]
         spans = [Span(s.block_table, len(s) - 1 + j, 1, tuple(len(s) - 1 + i for i in others)) for s in seqs]
-        batch = build_attention_batch(spans, self.block_size, self.device)
+        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
         embeds = self.target.model.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=self.device))
         return self.head.layers[m](prev, embeds, self.target.rope, self.kv_pools[m], batch)  # [B, H]
 
@@ -184,7 +182,7 @@ class MtpProposer(Proposer):
         Module 0's input at slot q is the carry at q = start, else tapped[tap_rows]; module m ≥ 1's is
         the carry at q = start, else module m − 1's output at q − 1."""
         spans = [Span(job.seq.block_table, job.start, job.end - job.start) for job in jobs]
-        batch = build_attention_batch(spans, self.block_size, self.device)
+        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
         tokens = [t for job in jobs for t in job.seq.token_ids[job.start : job.end]]
         embeds = self.target.model.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [T', H]
         carries = torch.stack([job.state.carry for job in jobs])  # [J, L, H]

@@ -1,0 +1,93 @@
+"""The runtime's CPU attention (``attend_in_place``: flash attention over views of each sequence's
+runs of consecutive blocks, merged by log-sum-exp) equals the kernels' plain-torch reference, on
+the kernel tests' batches (blocks scattered through the pool: many runs) and on tables of one run;
+slots it may not read change nothing."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_kernels_attention import DECODE_BATCHES, PREFILL_BATCHES, Batch, make_batch, poisoned
+
+from specdecode.kernels.paged_attention import paged_attention_reference
+from specdecode.runtime.models.attention import AttentionBatch, attend_in_place
+
+BATCHES = {**DECODE_BATCHES, **PREFILL_BATCHES}
+
+
+def in_place(batch: Batch) -> torch.Tensor:
+    metadata = AttentionBatch(
+        positions=torch.empty(0, dtype=torch.long), slot_mapping=torch.empty(0, dtype=torch.long),
+        block_tables=batch.block_tables.long(), seq_lens=batch.seq_lens.long(), query_start=batch.query_start.long(),
+        block_size=batch.k_pool.shape[1], max_query_len=batch.max_query_len, hidden_keys=batch.hidden_keys)
+    return attend_in_place(batch.q, batch.k_pool, batch.v_pool, metadata, batch.scale)
+
+
+def contiguous(batch: Batch) -> Batch:
+    """The batch with each sequence's blocks consecutive in the pool (one run each)."""
+    tables, order = batch.block_tables.clone(), []
+    for b, length in enumerate(batch.seq_lens.tolist()):
+        used = -(-length // batch.k_pool.shape[1])
+        order += batch.block_tables[b, :used].tolist()
+    remap = {old: new for new, old in enumerate(dict.fromkeys(order), start=1)}
+    spare = [b for b in range(batch.k_pool.shape[0]) if b not in remap]
+    permutation = torch.tensor([0] + [old for old in remap] + spare[1:])  # new block i holds old block permutation[i]
+    for b, length in enumerate(batch.seq_lens.tolist()):
+        used = -(-length // batch.k_pool.shape[1])
+        tables[b, :used] = torch.tensor([remap[x] for x in batch.block_tables[b, :used].tolist()], dtype=tables.dtype)
+    return replace(batch, k_pool=batch.k_pool[permutation], v_pool=batch.v_pool[permutation], block_tables=tables)
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_attention_in_place_equals_the_reference(name: str) -> None:
+    for batch in (make_batch(7, **BATCHES[name]), contiguous(make_batch(7, **BATCHES[name]))):
+        expected = paged_attention_reference(*batch.args(), **batch.kwargs())
+        torch.testing.assert_close(in_place(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slots_it_may_not_read_change_nothing() -> None:
+    batch = make_batch(11, **BATCHES["gqa 6/2 bs16 chunk over prefix"])
+    bad = poisoned(batch)
+    bad = replace(bad, block_tables=bad.block_tables.clamp(0, batch.k_pool.shape[0] - 1))  # the runtime pads with a real id
+    assert torch.equal(in_place(bad), in_place(batch))
+
+
+def test_long_runs_are_read_in_place_and_short_ones_gathered() -> None:
+    """A decoding sequence's table: its prompt's blocks consecutive (a run read as a view), then
+    blocks it took one at a time (gathered); with a verify chain and hidden keys across both."""
+    batch = make_batch(5, [(150, 4), (100, 1)], num_hidden=2)
+    tables = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9, 20, 30], [10, 11, 12, 13, 14, 15, 25, 0, 0, 0]],
+                          dtype=batch.block_tables.dtype)
+    gen = torch.Generator().manual_seed(3)
+    pools = torch.randn(2, 32, *batch.k_pool.shape[1:], generator=gen)
+    batch = replace(batch, block_tables=tables, k_pool=pools[0], v_pool=pools[1])
+    expected = paged_attention_reference(*batch.args(), **batch.kwargs())
+    torch.testing.assert_close(in_place(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_never_reads_the_null_block_or_blocks_outside_its_tables(tiny) -> None:
+    """A step of two sequences over the tiny model, one with a shorter table (padded with the null
+    block): NaN in the null block and in every block outside the tables changes no hidden state."""
+    from specdecode.runtime.engine.model_runner import Span, build_attention_batch
+    from specdecode.runtime.models.attention import kv_pool
+
+    model, _ = tiny
+    c, num_blocks = model.config, 12
+    spans = [Span([3, 4, 9], 0, 40), Span([7], 0, 9)]  # a prompt over three blocks; one over the first block of one
+    batch = build_attention_batch(spans, 16, num_blocks, torch.device("cpu"))
+    assert batch.block_tables[1].tolist() == [7, num_blocks, num_blocks]
+    ids = torch.randint(0, c.vocab_size, (49,), generator=torch.Generator().manual_seed(0))
+
+    def hidden(poison: bool) -> torch.Tensor:
+        pools = [kv_pool(num_blocks, 16, c.num_kv_heads, c.head_dim, dtype=torch.float32, device=torch.device("cpu"))
+                 for _ in range(c.num_layers)]
+        if poison:
+            for k, v in pools:
+                for block in set(range(num_blocks + 1)) - {3, 4, 9, 7}:
+                    k[block], v[block] = float("nan"), float("inf")
+        with torch.inference_mode():
+            return model(ids, pools, batch)
+
+    clean, poisoned_run = hidden(False), hidden(True)
+    assert poisoned_run.isfinite().all() and torch.equal(poisoned_run, clean)
