@@ -303,15 +303,16 @@ def _versions(results) -> dict[str, object]:
         versions["specdecode"] = metadata.version("specdecode")
     except metadata.PackageNotFoundError:  # run from source (scripts/gpu_check.sh): the commit below says which
         versions["specdecode"] = None
-    versions["git_commit"] = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain")
+    versions["git_commit"] = git_output("rev-parse", "HEAD")
+    status = git_output("status", "--porcelain")
     versions["git_dirty"] = None if status is None else bool(status)
     return versions
 
 
-def _git(*argv: str) -> str | None:
+def git_output(*argv: str, root: Path = REPO_ROOT) -> str | None:
+    """What ``git -C root ARGV`` prints; None where git is missing or fails."""
     try:
-        proc = subprocess.run(["git", "-C", str(REPO_ROOT), *argv], capture_output=True, text=True, check=False)
+        proc = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         return None
     return proc.stdout.strip() if proc.returncode == 0 else None

@@ -164,6 +164,18 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_bench_step(parser: argparse.ArgumentParser) -> None:
+    from specdecode.bench.step import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench_step(args: argparse.Namespace) -> int:
+    from specdecode.bench.step import run
+
+    return run(args)
+
+
 def _add_train_mtp(parser: argparse.ArgumentParser) -> None:
     from specdecode.runtime.training.command import add_arguments
 
@@ -212,6 +224,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _add_train_mtp, _run_train_mtp),
     Subcommand("bench-kernels", "time each Triton kernel against its torch reference (table, JSON, plot)",
                _add_bench_kernels, _run_bench_kernels),
+    Subcommand("bench-step", "time the engine's decode/verify steps against a baseline checkout (table, JSON, plot)",
+               _add_bench_step, _run_bench_step),
     *(Subcommand(name, LOCAL_HELP.get(name, f"{name} the rollout of a deployment run by `up` (once per value)"),
                  *_local(name)) for name in LOCAL),
 ]

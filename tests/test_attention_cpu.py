@@ -1,7 +1,7 @@
-"""The runtime's CPU attention (``attend_in_place``: flash attention over views of each sequence's
-runs of consecutive blocks, merged by log-sum-exp) equals the kernels' plain-torch reference, on
-the kernel tests' batches (blocks scattered through the pool: many runs) and on tables of one run;
-slots it may not read change nothing."""
+"""The runtime's CPU attention (``attend_gathered``: padded groups of sequences, their keys gathered
+from their blocks, one masked SDPA per group) equals the kernels' plain-torch reference, on the
+kernel tests' batches (blocks scattered through the pool) and on tables of consecutive blocks;
+slots it may not read change nothing, in the model too."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,17 +11,17 @@ import torch
 from test_kernels_attention import DECODE_BATCHES, PREFILL_BATCHES, Batch, make_batch, poisoned
 
 from specdecode.kernels.paged_attention import paged_attention_reference
-from specdecode.runtime.models.attention import AttentionBatch, attend_in_place
+from specdecode.runtime.models.attention import AttentionBatch, attend_gathered
 
 BATCHES = {**DECODE_BATCHES, **PREFILL_BATCHES}
 
 
-def in_place(batch: Batch) -> torch.Tensor:
+def cpu_attention(batch: Batch) -> torch.Tensor:
     metadata = AttentionBatch(
         positions=torch.empty(0, dtype=torch.long), slot_mapping=torch.empty(0, dtype=torch.long),
         block_tables=batch.block_tables.long(), seq_lens=batch.seq_lens.long(), query_start=batch.query_start.long(),
         block_size=batch.k_pool.shape[1], max_query_len=batch.max_query_len, hidden_keys=batch.hidden_keys)
-    return attend_in_place(batch.q, batch.k_pool, batch.v_pool, metadata, batch.scale)
+    return attend_gathered(batch.q, batch.k_pool, batch.v_pool, metadata, batch.scale)
 
 
 def contiguous(batch: Batch) -> Batch:
@@ -40,22 +40,27 @@ def contiguous(batch: Batch) -> Batch:
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_attention_in_place_equals_the_reference(name: str) -> None:
+def test_cpu_attention_equals_the_reference(name: str) -> None:
     for batch in (make_batch(7, **BATCHES[name]), contiguous(make_batch(7, **BATCHES[name]))):
         expected = paged_attention_reference(*batch.args(), **batch.kwargs())
-        torch.testing.assert_close(in_place(batch), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cpu_attention(batch), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_slots_it_may_not_read_change_nothing() -> None:
+    """Garbage in the null block, unreached blocks, stale and hidden slots: the same output, bit for
+    bit. Finite garbage: the CPU path gathers whole blocks and masks what it must not see, and what
+    a model writes is finite (the kernels load none of it: NaN there too, test_kernels_attention)."""
     batch = make_batch(11, **BATCHES["gqa 6/2 bs16 chunk over prefix"])
     bad = poisoned(batch)
-    bad = replace(bad, block_tables=bad.block_tables.clamp(0, batch.k_pool.shape[0] - 1))  # the runtime pads with a real id
-    assert torch.equal(in_place(bad), in_place(batch))
+    finite = [torch.where(pool.isfinite(), pool, torch.full_like(pool, 3e4)) for pool in (bad.k_pool, bad.v_pool)]
+    bad = replace(bad, k_pool=finite[0], v_pool=finite[1],
+                  block_tables=bad.block_tables.clamp(0, batch.k_pool.shape[0] - 1))  # the runtime pads with a real id
+    assert torch.equal(cpu_attention(bad), cpu_attention(batch))
 
 
-def test_long_runs_are_read_in_place_and_short_ones_gathered() -> None:
-    """A decoding sequence's table: its prompt's blocks consecutive (a run read as a view), then
-    blocks it took one at a time (gathered); with a verify chain and hidden keys across both."""
+def test_a_decoding_sequences_table_with_a_verify_chain_and_hidden_keys() -> None:
+    """A decoding sequence's table: its prompt's blocks consecutive, then blocks it took one at a
+    time; beside a shorter table; a verify chain and hidden keys across both parts."""
     batch = make_batch(5, [(150, 4), (100, 1)], num_hidden=2)
     tables = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9, 20, 30], [10, 11, 12, 13, 14, 15, 25, 0, 0, 0]],
                           dtype=batch.block_tables.dtype)
@@ -63,12 +68,13 @@ def test_long_runs_are_read_in_place_and_short_ones_gathered() -> None:
     pools = torch.randn(2, 32, *batch.k_pool.shape[1:], generator=gen)
     batch = replace(batch, block_tables=tables, k_pool=pools[0], v_pool=pools[1])
     expected = paged_attention_reference(*batch.args(), **batch.kwargs())
-    torch.testing.assert_close(in_place(batch), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_attention(batch), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_model_never_reads_the_null_block_or_blocks_outside_its_tables(tiny) -> None:
     """A step of two sequences over the tiny model, one with a shorter table (padded with the null
-    block): NaN in the null block and in every block outside the tables changes no hidden state."""
+    block): garbage in the null block and in every block outside the tables changes no hidden
+    state, bit for bit."""
     from specdecode.runtime.engine.model_runner import Span, build_attention_batch
     from specdecode.runtime.models.attention import kv_pool
 
@@ -85,7 +91,7 @@ def test_the_model_never_reads_the_null_block_or_blocks_outside_its_tables(tiny)
         if poison:
             for k, v in pools:
                 for block in set(range(num_blocks + 1)) - {3, 4, 9, 7}:
-                    k[block], v[block] = float("nan"), float("inf")
+                    k[block], v[block] = 3e4, -3e4
         with torch.inference_mode():
             return model(ids, pools, batch)
 

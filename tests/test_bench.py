@@ -135,3 +135,44 @@ def test_bench_kernels_refuses_bad_arguments_with_a_reason(argv, reason):
 
     with pytest.raises(SystemExit, match=reason):
         main(["bench-kernels", *argv])
+
+
+
+def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, capsys):
+    """The smallest grid on the tiny model, no baseline: the worker runs, the table, JSON and plot
+    are written (the timings mean nothing here). Then two hand-made rounds of both checkouts: the
+    ratio is the median of the per-round ratios, not a ratio of medians."""
+    import argparse
+
+    from specdecode.bench import step
+    from specdecode.runtime.cli import main
+
+    out = tmp_path / "results"
+    argv = ["bench-step", "--model", str(tiny_hf_model_dir), "--device", "cpu", "--batch", "1", "--context", "64",
+            "--k", "0", "--steps", "2", "--rounds", "1", "--output-dir", str(out)]
+    assert main(argv) == 0
+    data = json.loads(next(out.glob("step-*.json")).read_text())
+    assert list(data["checkouts"]) == ["this"] and data["dtype"] == "float32" and data["threads"] == 1
+    assert data["checkouts"]["this"]["attention_module"].endswith("attention.py")
+    (case,) = data["cases"]
+    assert (case["case"], case["batch"], case["context"], case["k"]) == ("B=1 L=64 K=0", 1, 64, 0)
+    (measured,) = case["this"]["rounds"]
+    assert measured["ms_per_step"] > 0 and measured["tokens_per_s"] > 0 and measured["rows_per_step"] == 1.0
+    assert measured["attention_copied_bytes_per_step"] >= 0 and measured["context_at_start"] >= 65
+    assert "ratio_ms_per_step" not in case
+    assert next(out.glob("step-*.png")).read_bytes().startswith(b"\x89PNG")
+    assert "| B=1 L=64 K=0 | 1.0 |" in capsys.readouterr().out
+
+    def worker(ms: float, copied: float) -> dict:  # one worker run's result, as the worker writes it
+        meta = {k: data["checkouts"]["this"][k] for k in ("device", "dtype", "torch", "attention_module")}
+        return {**meta, "device_name": "CPU",
+                "cases": [{**measured, "ms_per_step": ms, "attention_copied_bytes_per_step": copied}]}
+
+    checkouts = [step.Checkout(step.BASELINE, "python", tmp_path), step.Checkout(step.THIS, "python", tmp_path)]
+    rounds = {step.BASELINE: [worker(200.0, 4e8), worker(400.0, 4e8)],
+              step.THIS: [worker(100.0, 0.0), worker(330.0, 0.0)]}
+    args = argparse.Namespace(model="m", steps=2, rounds=2, threads=1)
+    report = step.build_report(args, checkouts, [step.Case(1, 64, 0)], rounds)
+    assert report["cases"][0]["ratio_ms_per_step"] == pytest.approx((0.5 + 0.825) / 2)  # not 215 / 300
+    assert "| B=1 L=64 K=0 | 1.0 / 1.0 | 300.0 | 215.0 | 0.66× |" in step.format_table(report)
+    assert step.format_table(report).split("\n")[-1].endswith("| 400.0 MB | 0 B |")

@@ -13,11 +13,10 @@ table, except the ``hidden_keys`` an MTP chain step names. Block-table padding p
 block, and so does any padded row, so nothing of a padded entry ever touches a real block.
 Rejected or stale slots need no cleanup: a row never reads past its own position.
 
-On CUDA the Triton kernels of ``specdecode.kernels.paged_attention`` attend (one for a few rows per
-sequence, decode and verify chains; one for prefill chunks). On the CPU ``attend_in_place`` does:
-per sequence, its runs of consecutive blocks are views of the pool (a fresh pool hands blocks out
-in order, so a sequence's table is one or a few runs), attended by torch's flash attention and
-merged by log-sum-exp, without copying its KV.
+On CUDA the Triton kernels of ``specdecode.kernels.paged_attention`` attend in place (one for a few
+rows per sequence, decode and verify chains; one for prefill chunks). On the CPU ``attend_gathered``
+gathers each group's keys into padded tensors for one SDPA call: measured faster on our 2-core CPU
+than attending in place sequence by sequence (see its docstring).
 """
 from __future__ import annotations
 
@@ -52,26 +51,47 @@ class AttentionBatch:
     hidden_keys: torch.Tensor | None = None  # [B, H] long, −1 padded: positions its rows never attend
 
     @cached_property
-    def runs(self) -> list[tuple[int, int, list[tuple[int, int]], list[int]]]:
-        """Per sequence, for the CPU path: (first row, rows, [(first slot, slots)] runs of
-        consecutive blocks covering its keys, hidden positions); read once per step."""
-        starts, lens, tables = self.query_start.tolist(), self.seq_lens.tolist(), self.block_tables.tolist()
-        hidden = self.hidden_keys.tolist() if self.hidden_keys is not None else [[] for _ in lens]
-        return [(starts[b], starts[b + 1] - starts[b], _runs(table[: -(-length // self.block_size)], self.block_size,
-                                                               length), [h for h in hidden[b] if h >= 0])
-                for b, (length, table) in enumerate(zip(lens, tables))]
+    def groups(self) -> list[SequenceGroup]:
+        """The CPU path's padded groups of sequences (built once per step from the metadata): every
+        short sequence (≤ ``MAX_DECODE_QUERY_LEN`` rows) in one, each longer one alone, so a
+        512-row prefill chunk never pads the decode rows of the others."""
+        starts, lens = self.query_start.tolist(), self.seq_lens.tolist()
+        rows = [b - a for a, b in zip(starts, starts[1:])]
+        short = [b for b, n in enumerate(rows) if n <= MAX_DECODE_QUERY_LEN]
+        members = ([short] if short else []) + [[b] for b, n in enumerate(rows) if n > MAX_DECODE_QUERY_LEN]
+        return [_group(self, sequences, starts, lens, rows) for sequences in members]
 
 
-def _runs(blocks: list[int], block_size: int, length: int) -> list[tuple[int, int]]:
-    """(first slot, slots) of each run of consecutive block ids, the keys ``0 … length − 1`` in order."""
-    runs: list[tuple[int, int]] = []
-    for i, block in enumerate(blocks):
-        slots = min(block_size, length - i * block_size)
-        if runs and runs[-1][0] + runs[-1][1] == block * block_size and runs[-1][1] % block_size == 0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + slots)
-        else:
-            runs.append((block * block_size, slots))
-    return runs
+@dataclass
+class SequenceGroup:
+    """Sequences attended in one padded SDPA call on the CPU."""
+
+    token_index: torch.Tensor  # [B, Q] long: row in the step's flat batch (padding → 0)
+    valid_rows: torch.Tensor  # [N] long: which of the B·Q padded rows are real
+    block_tables: torch.Tensor  # [B, M] long: the blocks its keys lie in (padding → the null block)
+    mask: torch.Tensor  # [B, 1, Q, M·block_size] bool: True = attend
+
+
+def _group(batch: AttentionBatch, sequences: list[int], starts: list[int], lens: list[int],
+           rows: list[int]) -> SequenceGroup:
+    device, block_size = batch.block_tables.device, batch.block_size
+    q_len = max(rows[b] for b in sequences)
+    width = max(-(-lens[b] // block_size) for b in sequences)
+    index = torch.tensor(sequences, device=device)
+    offsets = torch.arange(q_len, device=device)
+    first = torch.tensor([starts[b] for b in sequences], device=device)[:, None]
+    count = torch.tensor([rows[b] for b in sequences], device=device)[:, None]
+    valid = offsets[None, :] < count  # [B, Q]
+    query_pos = torch.tensor([lens[b] - rows[b] for b in sequences], device=device)[:, None] + offsets[None, :]
+    mask = torch.arange(width * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
+    if batch.hidden_keys is not None:  # only MTP chain steps have any: the target's forward skips this
+        hidden = batch.hidden_keys.index_select(0, index)  # [B, H]
+        keys = torch.arange(width * block_size, device=device)
+        mask &= ~(keys[None, None, :] == hidden[:, :, None]).any(1)[:, None, :]
+    return SequenceGroup(token_index=torch.where(valid, first + offsets[None, :], 0),
+                         valid_rows=valid.reshape(-1).nonzero()[:, 0],
+                         block_tables=batch.block_tables.index_select(0, index)[:, :width],
+                         mask=mask.unsqueeze(1))
 
 
 def paged_attention(
@@ -92,94 +112,30 @@ def paged_attention(
         out = attend(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, batch.query_start, batch.hidden_keys,
                      scale=scale, max_query_len=batch.max_query_len)
     else:
-        out = attend_in_place(q, k_pool, v_pool, batch, scale)
+        out = attend_gathered(q, k_pool, v_pool, batch, scale)
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def attend_in_place(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
+def attend_gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
                     scale: float) -> torch.Tensor:  # q [T, heads, hd] → [T, heads, hd]
-    """The CPU path, per sequence: torch's flash attention over its keys where they lie. A table
-    that is one run of consecutive blocks is one view of the pool; otherwise each run of at least
-    ``VIEW_MIN_SLOTS`` slots is a view and the shorter ones (blocks a decoding sequence took one at
-    a time) are gathered into one small tensor, and the parts are merged by their log-sum-exp."""
-    num_heads, head_dim = q.shape[1:]
+    """The CPU path: per group, its sequences' keys gathered from their blocks into padded tensors
+    and one masked SDPA call. On a 2-core CPU this beats attending each sequence's blocks in place
+    (one flash call per sequence and layer, no KV copy): at batch 8 and 1k context the in-place
+    path took 1.27× as long per decode step, 2.3× with another process on the second core, the
+    cost being a thread barrier per small op (docs/runtime.md)."""
+    num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
-    group = num_heads // kv_heads
-    k_slots, v_slots = k_pool.view(-1, kv_heads, head_dim), v_pool.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(q)
-    for first, rows, runs, hidden in batch.runs:
-        length = sum(n for _, n in runs)
-        mask = _mask(length - rows, rows, length, hidden, q.device) if rows > 1 or hidden else None
-        if len(runs) == 1:
-            (start, n), queries = runs[0], q[first : first + rows].transpose(0, 1)[None]  # [1, heads, rows, hd]
-            attended = F.scaled_dot_product_attention(
-                queries, k_slots[start : start + n].transpose(0, 1)[None], v_slots[start : start + n].transpose(0, 1)[None],
-                attn_mask=mask, scale=scale, enable_gqa=group > 1)  # [1, heads, rows, hd]
-            out[first : first + rows] = attended[0].transpose(0, 1)
-            continue
-        folded = q[first : first + rows].reshape(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        folded = folded.reshape(1, kv_heads, group * rows, head_dim)  # row g·rows + r: head g of row r
-        attended = _merged(folded, _parts(runs, k_slots, v_slots), mask, group, scale)  # [1, kv, g·rows, hd]
-        out[first : first + rows] = attended.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3).reshape(
-            rows, num_heads, head_dim)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in batch.groups:
+        bsz, q_len = group.token_index.shape
+        # index_select, not advanced indexing: on CPU, x[idx] is a parallel TensorIterator op whose
+        # thread sync costs milliseconds per call when another process holds a core.
+        qg = q.index_select(0, group.token_index.view(-1)).view(bsz, q_len, num_heads, head_dim).transpose(1, 2)
+        blocks = group.block_tables.reshape(-1)
+        kg = k_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv, K, hd]
+        vg = v_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scale,
+                                            enable_gqa=num_heads != kv_heads)  # [B, heads, Q, hd]
+        og = og.transpose(1, 2).reshape(bsz * q_len, num_heads, head_dim).index_select(0, group.valid_rows)
+        out.index_copy_(0, group.token_index.view(-1).index_select(0, group.valid_rows), og)
     return out
-
-
-VIEW_MIN_SLOTS = 64  # CPU: a run of consecutive slots at least this long is read as a view, not gathered
-
-
-def _parts(runs: list[tuple[int, int]], k_slots: torch.Tensor, v_slots: torch.Tensor
-           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(key positions [n], keys [n, kv, hd], values [n, kv, hd]) per part: each long run a view, the
-    short runs gathered together."""
-    parts, short, position = [], [], 0
-    for start, n in runs:
-        positions = torch.arange(position, position + n)
-        if n >= VIEW_MIN_SLOTS:
-            parts.append((positions, k_slots[start : start + n], v_slots[start : start + n]))
-        else:
-            short.append((positions, torch.arange(start, start + n)))
-        position += n
-    if short:
-        slots = torch.cat([s for _, s in short]).to(k_slots.device)
-        parts.append((torch.cat([p for p, _ in short]), k_slots.index_select(0, slots), v_slots.index_select(0, slots)))
-    return parts
-
-
-def _merged(folded: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-            mask: torch.Tensor | None, group: int, scale: float) -> torch.Tensor:
-    """folded [1, kv, g·rows, hd] over parts of its keys, ``mask`` [rows, keys] bool or None (all
-    visible) → [1, kv, g·rows, hd], the parts weighed by their log-sum-exp. Flash attention for a
-    view; plain scores for the gathered part, short enough that they cost less than a flash call."""
-    outs, lses = [], []
-    for positions, keys, values in parts:
-        part_mask = None if mask is None else mask[:, positions.to(mask.device)].repeat(group, 1)  # [g·rows, n]
-        if keys.shape[0] >= VIEW_MIN_SLOTS:
-            additive = None if part_mask is None else torch.zeros(part_mask.shape, dtype=folded.dtype,
-                                                                  device=folded.device).masked_fill_(~part_mask, -torch.inf)
-            attended, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                folded, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=additive, scale=scale)
-        else:
-            scores = torch.matmul(folded[0], keys.permute(1, 2, 0)).float().mul_(scale)  # [kv, g·rows, n]
-            if part_mask is not None:
-                scores.masked_fill_(~part_mask, -torch.inf)
-            lse = torch.logsumexp(scores, dim=-1)[None]  # [1, kv, g·rows]
-            attended = torch.matmul((scores - lse[0, ..., None]).exp_().to(folded.dtype), values.transpose(0, 1))[None]
-        if part_mask is not None:  # a row that sees no key of this part: it weighs nothing
-            lse = lse.masked_fill(~part_mask.any(-1), -torch.inf)
-        outs.append(attended.nan_to_num_(0.0))
-        lses.append(lse)
-    top = torch.maximum(*lses) if len(lses) == 2 else torch.stack(lses).amax(0)
-    weights = [(lse - top).exp_() for lse in lses]  # [1, kv, g·rows] each
-    total = sum(weights)
-    return sum(out * (w / total).unsqueeze(-1).to(folded.dtype) for out, w in zip(outs, weights))
-
-
-def _mask(first_position: int, rows: int, length: int, hidden: list[int], device: torch.device) -> torch.Tensor:
-    """[rows, length] bool: row i (at ``first_position + i``) attends keys up to its position, but
-    no hidden one."""
-    keys = torch.arange(length, device=device)
-    mask = keys[None, :] <= torch.arange(first_position, first_position + rows, device=device)[:, None]
-    if hidden:
-        mask[:, [h for h in hidden if h < length]] = False
-    return mask
