@@ -213,9 +213,8 @@ def advance(status: SpecDecodeDeploymentStatus, desired_revision: str, spec: Spe
     ended, or none can run (until then no step passes)."""
     state = _State(status.stable_revision, status.canary_revision, status.canary_step, status.rollout,
                    status.acceptance, status.commands, failure=failure, ready_before=status.ready_replicas or 0,
-                   was_stalled=any(c.type == ConditionType.PROGRESSING and c.reason == PROGRESS_DEADLINE_EXCEEDED
-                                   for c in status.conditions))
-    if failure is not None and not _degraded_by(status, failure.reason):
+                   was_stalled=_says(status, ConditionType.PROGRESSING, FALSE, PROGRESS_DEADLINE_EXCEEDED))
+    if failure is not None and not _says(status, ConditionType.DEGRADED, TRUE, failure.reason):
         state.emit(EventType.WARNING, failure.reason, failure.message)
     _follow_spec(state, desired_revision, spec)
     _obey(state, commands or {}, desired_revision, spec)
@@ -662,8 +661,9 @@ def _ready(spec: SpecDecodeDeploymentSpec, serving: int) -> tuple[ConditionStatu
     return FALSE, "ReplicasNotReady", f"{serving} of {spec.replicas} replicas ready, {needed} needed"
 
 
-def _degraded_by(status: SpecDecodeDeploymentStatus, reason: str) -> bool:
-    return any(c.type == ConditionType.DEGRADED and c.status == TRUE and c.reason == reason for c in status.conditions)
+def _says(status: SpecDecodeDeploymentStatus, type_: ConditionType, value: ConditionStatus, reason: str) -> bool:
+    """Whether ``status`` has condition ``type_`` at ``value`` for ``reason`` (an Event is due when it did not)."""
+    return any(c.type == type_ and c.status == value and c.reason == reason for c in status.conditions)
 
 
 def _rolled_back(old: Sequence[Condition], s: _State) -> tuple[str, str] | None:

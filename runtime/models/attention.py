@@ -1,16 +1,17 @@
-"""Paged attention over a per-layer KV pool, read in place through block tables.
+"""Paged attention over a per-layer KV pool, read through block tables.
 
 The pool of one layer is ``[num_blocks + 1, block_size, kv_heads, head_dim]`` for K and for V
 (``kv_pool``): the blocks the block manager hands out, ids ``0 … num_blocks − 1``, and the *null
 block*, id ``num_blocks``, which belongs to no sequence. A token's *slot* is ``block_id ·
 block_size + offset``. Each step writes the new tokens' K/V into their slots, then every query row
-attends its sequence's keys where they lie.
+attends its sequence's keys.
 
 What a step carries is metadata, not masks (``AttentionBatch``): the rows of a step are flat,
 sequence b's ``query_start[b] : query_start[b + 1]``, at consecutive positions ending at
 ``seq_lens[b] − 1``; row i attends positions ``0 … its own`` of its sequence, through its block
 table, except the ``hidden_keys`` an MTP chain step names. Block-table padding points at the null
-block, and so does any padded row, so nothing of a padded entry ever touches a real block.
+block, so a padded entry never touches a real block (the padded batch buckets still to come write
+their padding rows' K/V there too).
 Rejected or stale slots need no cleanup: a row never reads past its own position.
 
 On CUDA the Triton kernels of ``specdecode.kernels.paged_attention`` attend in place (one for a few
