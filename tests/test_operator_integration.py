@@ -152,7 +152,8 @@ def test_create_renders_owned_children_and_typed_status(cluster: Cluster) -> Non
         (owner,) = child.metadata.owner_references
         assert (owner.kind, owner.name, owner.uid, owner.controller) == (
             names.KIND, "smollm2-ngram", body["metadata"]["uid"], True)
-    assert ("Normal", "Deployed") in {(t, r) for t, r, _ in cluster.events("smollm2-ngram")}
+    wait_for(lambda: ("Normal", "Deployed") in {(t, r) for t, r, _ in cluster.events("smollm2-ngram")},
+             "the Deployed Event")
 
     # the chart's probes and the dashboard's series
     assert healthy(cluster.liveness_url)
@@ -193,7 +194,8 @@ def test_invalid_spec_past_admission_is_reported_not_retried(cluster: Cluster) -
                      and cluster.condition("too-many-gpus", "Ready"), "Ready=False InvalidSpec")
     assert ready["status"] == "False" and "gpusPerPod: 2 is more than parallelism.tensor" in ready["message"]
     assert cluster.deployments("too-many-gpus") == {}
-    assert ("Warning", "InvalidSpec") in {(t, r) for t, r, _ in cluster.events("too-many-gpus")}
+    wait_for(lambda: ("Warning", "InvalidSpec") in {(t, r) for t, r, _ in cluster.events("too-many-gpus")},
+             "the InvalidSpec Warning Event")
 
     cluster.patch("too-many-gpus", {"spec": {"resources": {"gpusPerPod": 0}}})  # fixed: the operator goes on
     wait_for(lambda: cluster.condition("too-many-gpus", "Ready").get("status") == "True", "Ready=True once fixed")
@@ -217,7 +219,8 @@ def test_a_runtime_that_refuses_to_start_shows_in_status(cluster: Cluster) -> No
     assert degraded["message"] == f"pod {pod} (revision {stable}): runtime exited with code 1: {refused}"
     # a reconciliation that listed the workloads before the test's status patch may still say Ready
     wait_for(lambda: cluster.condition("smollm2-ngram", "Ready")["status"] == "False", "Ready=False")
-    assert ("Warning", "RuntimeRefused", degraded["message"]) in cluster.events("smollm2-ngram")
+    wait_for(lambda: ("Warning", "RuntimeRefused", degraded["message"]) in cluster.events("smollm2-ngram"),
+             "the RuntimeRefused Warning Event")
 
     running = {**crashed, "state": {"running": {}}, "ready": True}
     cluster.core.patch_namespaced_pod_status(pod, NS, {"status": {"containerStatuses": [running]}})  # fixed
@@ -240,7 +243,8 @@ def test_pods_that_never_come_show_in_status(cluster: Cluster) -> None:
     degraded = wait_for(lambda: (c := cluster.condition("smollm2-ngram", "Degraded")).get("reason") == "FailedCreate"
                         and c, "Degraded=True, reason FailedCreate")
     assert degraded["message"] == f"Deployment {workload} (revision {stable}): {' '.join(quota['message'].split())}"
-    assert ("Warning", "FailedCreate", degraded["message"]) in cluster.events("smollm2-ngram")
+    wait_for(lambda: ("Warning", "FailedCreate", degraded["message"]) in cluster.events("smollm2-ngram"),
+             "a FailedCreate Warning Event")  # kopf posts Events after the status
 
     (pending,) = PENDING["unschedulable_gpu"]["pods"]
     cluster.apps.patch_namespaced_deployment_status(workload, NS, {"status": {"conditions": []}})  # created now
@@ -292,7 +296,8 @@ def test_low_acceptance_rolls_back_with_the_reason(cluster: Cluster, stand_ins: 
     wait_for(lambda: set(cluster.deployments("smollm2-ngram")) == {names.workload_name("smollm2-ngram", stable)},
              "the canary's Deployment deleted")
     assert cluster.deployments("smollm2-ngram")[names.workload_name("smollm2-ngram", stable)].spec.replicas == 2
-    warnings = [m for t, r, m in cluster.events("smollm2-ngram") if (t, r) == ("Warning", "RolledBack")]
+    warnings = wait_for(lambda: [m for t, r, m in cluster.events("smollm2-ngram")
+                                 if (t, r) == ("Warning", "RolledBack")], "the RolledBack Warning Event")
     assert len(warnings) == 1 and "minAcceptanceRate" in warnings[0]
     assert f'{metrics.ROLLBACKS}{{name="smollm2-ngram",namespace="{NS}"}} 1.0' in cluster.operator_metrics()
 
@@ -427,6 +432,7 @@ def test_an_abort_at_the_full_step_keeps_the_canary_serving_until_the_stable_doe
     body = cluster.get("smollm2-ngram")
     assert body["metadata"]["annotations"][names.ANNOTATION_ABORT] == canary  # never removed
     assert body["status"]["commands"]["abort"] == canary
+    wait_for(lambda: "RolledBack" in {r for _, r, _ in cluster.events("smollm2-ngram")}, "the RolledBack Event")
     assert [r for _, r, _ in cluster.events("smollm2-ngram")].count("RolledBack") == 1
 
 
@@ -451,7 +457,7 @@ def test_a_canary_that_stops_serving_at_its_step_rolls_back_and_is_retried(clust
     assert "CUDA out of memory" in rolled_back["message"]
     cluster.patch("smollm2-ngram", {"metadata": {"annotations": {names.ANNOTATION_RETRY: "after-the-fix"}}})
     wait_for(lambda: cluster.status("smollm2-ngram").get("canaryRevision") == canary, "the canary started again")
-    assert "RolloutRetried" in {r for _, r, _ in cluster.events("smollm2-ngram")}
+    wait_for(lambda: "RolloutRetried" in {r for _, r, _ in cluster.events("smollm2-ngram")}, "the RolloutRetried Event")
     assert cluster.status("smollm2-ngram")["commands"]["retry"] == "after-the-fix"
 
 
