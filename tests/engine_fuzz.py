@@ -12,8 +12,10 @@ verify strategy, overlap and the number of pipeline stages (in one process: pipe
 ``FuzzBed.check`` runs a workload and asserts (``Judge``):
 - greedy outputs equal the reference token for token, except at a proven near-tie (top-2 of the
   target's processed logits within 1e-4 relative; the comparison ends there); finish reasons equal;
-- seeded sampled outputs equal the reference exactly where the strategy is lossless per seed
-  (``target_match``, and ``greedy``, which means target_match for sampled requests);
+- seeded sampled outputs equal the reference where the strategy is lossless per seed
+  (``target_match``, and ``greedy``, which means target_match for sampled requests), except at a
+  proven near-tie: the position's seeded draw within 1e-5 of the CDF boundary between the two tokens
+  (the target's processed distribution recomputed; logits from other batch shapes round differently);
 - for every strategy (``rejection`` and the lossy ``topp`` included): exactly one finished output
   per request not aborted and nothing after it, no token past ``max_tokens``, no token after a
   stop token or EOS, no stop string in the text, a constrained output that stops matches its
@@ -46,13 +48,16 @@ from specdecode.runtime.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
 from specdecode.runtime.engine.llm_engine import LLMEngine, draft_cap
+from specdecode.runtime.engine.sampler import sampling_probs
 from specdecode.runtime.engine.sequence import FinishReason, SamplingParams
 
 PROPOSERS = ("ngram", "suffix", "draft-same", "draft-noisy", "mtp")  # draft-same: the target as its own draft
 STRATEGIES = ("greedy", "target_match", "rejection", "topp")
 LOSSLESS_PER_SEED = ("greedy", "target_match")  # sampled outputs equal no-spec seeded sampling exactly
+SAMPLING_TIE = 1e-5  # a seeded draw this close to a CDF boundary may land on either side after fp rounding
 REGEX = r"[a-z]{1,6}( [a-z]{1,6}){0,3}\."
 MAX_STEPS = 2000  # a workload that needs more has stalled
 
@@ -444,16 +449,36 @@ class Judge:
                 f"completion {index}: finish {got.finish_reason} vs the reference's {expected.finish_reason}")
 
     def _near_tie(self, index: int, got: list[int], expected: list[int], i: int) -> None:
-        """Outputs first differ at ``i``: only a greedy near-tie of the processed logits excuses it."""
+        """Outputs first differ at ``i``: only a floating-point near-tie excuses it — for greedy, the
+        top two processed logits; for seeded sampling, the draw on a CDF boundary between the two."""
         message = f"completion {index} differs from the reference at {i}: {got} vs {expected}"
-        assert self.params.greedy and i < len(got) and i < len(expected), message
-        prefix = list(self.request.prompt) + got[:i]
-        logits = self.bed.full_forward(self.bed.model, prefix)[-1]
-        if self.params.structured is not None:
-            logits = logits.masked_fill(~self._grammar_allows(got[:i]), float("-inf"))
-        (top1, top2), ids = logits.topk(2)
-        gap = float((top1 - top2) / top1.abs())
-        assert {got[i], expected[i]} == set(ids.tolist()) and gap < 1e-4, f"{message} (no near-tie: gap {gap:.2e})"
+        assert i < len(got) and i < len(expected), message
+        logits = self._processed_logits(got[:i])
+        if self.params.greedy:
+            (top1, top2), ids = logits.topk(2)
+            gap = float((top1 - top2) / top1.abs())
+            assert {got[i], expected[i]} == set(ids.tolist()) and gap < 1e-4, f"{message} (no near-tie: gap {gap:.2e})"
+            return
+        probs = sampling_probs(logits[None], [self.params])[0].double()
+        threshold = rng.uniform(self.params.seed + index, len(self.request.prompt) + i, rng.Stream.SAMPLE) * probs.sum()
+        upper = probs.cumsum(0)
+        lower = upper - probs
+        drawn = ((lower - SAMPLING_TIE <= threshold) & (threshold < upper + SAMPLING_TIE) & (probs > 0)).nonzero()
+        assert {got[i], expected[i]} <= set(drawn[:, 0].tolist()), (
+            f"{message} (no near-tie: the draw {float(threshold):.8f} picks only {drawn[:, 0].tolist()})")
+
+    def _processed_logits(self, emitted: list[int]) -> torch.Tensor:  # [V]
+        """The target's last logits after ``emitted``, with the request's penalties, bias and grammar."""
+        p = self.params
+        logits = self.bed.full_forward(self.bed.model, list(self.request.prompt) + emitted)[-1].clone()
+        if emitted:
+            counts = torch.bincount(torch.tensor(emitted), minlength=logits.shape[0]).to(logits.dtype)
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        for token, bias in p.logit_bias:
+            logits[token] += bias
+        if p.structured is not None:
+            logits = logits.masked_fill(~self._grammar_allows(emitted), float("-inf"))
+        return logits
 
     def _grammar_allows(self, emitted: list[int]) -> torch.Tensor:  # [V] bool
         compiler = self.bed._reference_engines[next(iter(self.bed._reference_engines))].grammars
