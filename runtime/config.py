@@ -126,6 +126,14 @@ class SpeculativeConfig(Shared):
     suffix_min_token_prob: float = Field(
         0.1, ge=0.0, le=1.0, description="suffix: a draft stops where the product of its tokens' empirical probabilities falls below this"
     )
+    grammar_drafts: bool = Field(
+        True, description="constrained requests draft the tokens their grammar forces next before the proposer's own, "
+        "and a draft model or MTP head drafts under the grammar's mask; with method 'none', forced tokens alone"
+    )
+    max_grammar_drafts: int = Field(
+        8, ge=1, le=16, description="grammar_drafts: the most forced tokens drafted per sequence and step (with method "
+        "'none' this is K; otherwise forced and proposed drafts share num_speculative_tokens)"
+    )
     load_control: LoadControl = LoadControl()
     gates: tuple[str, ...] = ()
 
@@ -154,6 +162,11 @@ class SpeculativeConfig(Shared):
     @property
     def enabled(self) -> bool:
         return self.method is not SpeculativeMethod.NONE
+
+    @property
+    def max_drafts(self) -> int:
+        """K: drafts per sequence and step (forced ones only, with method 'none')."""
+        return self.num_speculative_tokens if self.enabled else self.max_grammar_drafts if self.grammar_drafts else 0
 
 
 class Device(str, Enum):

@@ -7,7 +7,8 @@ sharing a prefix (prefix-cache hits) and some repeating themselves (drafts that 
 arriving at random steps, some aborted a few steps later; greedy or seeded sampling (top-k, top-p,
 a presence penalty, ``n`` = 2), ``max_tokens``, stop strings and stop token ids, EOS honoured or
 not, regex constraints, per-request speculation caps, logprobs. ``Axes`` pick the proposer, the
-verify strategy, overlap and the number of pipeline stages (in one process: pipeline_harness.py).
+verify strategy, overlap and the number of pipeline stages (in one process: pipeline_harness.py);
+the shape turns grammar-aware drafting on (3 workloads in 4) or off.
 
 ``FuzzBed.check`` runs a workload and asserts (``Judge``):
 - greedy outputs equal the reference token for token, except at a proven near-tie (top-2 of the
@@ -82,6 +83,7 @@ class Shape:
     budget: int  # max_num_batched_tokens
     max_seqs: int
     k: int  # num_speculative_tokens
+    grammar_drafts: bool = True  # constrained sequences draft their forced tokens, drafts drawn under the grammar
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ def make_workload(seed: int, axes: Axes, vocab_size: int, decode: Callable[[list
         requests.append(FuzzRequest(f"r{i}", tuple(prompt), _params(rng, prompt, k, decode), arrival, abort_at,
                                     rng.random() < 0.25))
     needed = max(-(-(len(r.prompt) + r.params.max_tokens) // block_size) for r in requests)
-    shape = Shape(block_size, needed + rng.randint(0, 4), rng.randint(6, 32), rng.randint(2, 6), k)
+    shape = Shape(block_size, needed + rng.randint(0, 4), rng.randint(6, 32), rng.randint(2, 6), k,
+                  grammar_drafts=rng.random() < 0.75)
     return Workload(seed, axes, shape, tuple(requests))
 
 
@@ -277,8 +280,8 @@ class _Spies:
             coverage["partial acceptance"] += 0 < num_accepted < num_draft
             observe(num_draft, num_accepted)
 
-        def trimmed(seq, tokens: list[int]) -> list[int]:
-            kept = trim(seq, tokens)
+        def trimmed(seq, tokens: list[int], drawn: bool) -> list[int]:
+            kept = trim(seq, tokens, drawn)
             coverage["grammar-refused drafts"] += len(tokens) - len(kept)
             return kept
 
@@ -350,7 +353,8 @@ class FuzzBed:
             engine = self._reference_engines.get(block_size)
             if engine is None:
                 cfg = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=256),
-                                   scheduler=SchedulerConfig(max_num_batched_tokens=512, overlap=False))
+                                   scheduler=SchedulerConfig(max_num_batched_tokens=512, overlap=False),
+                                   speculative=SpeculativeConfig(grammar_drafts=False))  # no drafts at all
                 engine = LLMEngine(self.model, self.tokenizer, cfg, 2048, torch.device("cpu"), torch.float32)
                 self._reference_engines[block_size] = engine
             alone = FuzzRequest("reference", request.prompt, request.params, 0, None)
@@ -375,7 +379,7 @@ def engine_config(target_dir: Path, workload: Workload, draft_dirs: dict[str, st
                   parallel: ParallelConfig | None = None) -> EngineConfig:
     """The workload's engine; ``parallel`` for real process groups (else the axes' in-process stages)."""
     axes, shape = workload.axes, workload.shape
-    spec: dict = {"num_speculative_tokens": shape.k, "verify": axes.strategy}
+    spec: dict = {"num_speculative_tokens": shape.k, "verify": axes.strategy, "grammar_drafts": shape.grammar_drafts}
     if axes.proposer.startswith("draft"):
         spec |= {"method": "draft", "draft_model": draft_dirs[axes.proposer]}
     elif axes.proposer == "mtp":

@@ -136,7 +136,7 @@ def test_goodput_explores_on_the_sequences_with_the_least_catch_up(tiny, tiny_dr
     engine = make_engine(*tiny, spec=spec, overlap=False)
     asked: list[list[int]] = []
     propose = engine.proposer.propose
-    engine.proposer.propose = lambda seqs, caps: asked.append([s.seq_id for s in seqs]) or propose(seqs, caps)
+    engine.proposer.propose = lambda seqs, caps, guides=None: asked.append([s.seq_id for s in seqs]) or propose(seqs, caps, guides)
     got, per_step = run_counting(engine, tiny_prompts, GREEDY)
     for prompt, expected, actual in zip(tiny_prompts, tiny_nospec, got):
         assert_greedy_match(tiny[0], prompt, expected, actual)

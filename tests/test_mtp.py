@@ -215,7 +215,7 @@ def test_reduced_draft_vocabulary_drafts_only_its_tokens(sharp, sharp_head, prom
     allowed = set(engine.proposer.head.draft_vocab_ids[:n].tolist())
     proposals = []
     propose = engine.proposer.propose
-    engine.proposer.propose = lambda seqs, caps: (proposals.append(p := propose(seqs, caps)), p)[1]
+    engine.proposer.propose = lambda seqs, caps, guides=None: (proposals.append(p := propose(seqs, caps, guides)), p)[1]
     for prompt, expected, actual in zip(prompts, nospec, run_all(engine, prompts, GREEDY)):
         assert_greedy_match(sharp[0], prompt, expected, actual)
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)

@@ -205,8 +205,8 @@ def drafts_along_generation(engine: LLMEngine, prompt: list[int], k: int, steps:
     seen: list[tuple[list[int], list[int]]] = []
     propose = engine.proposer.propose
 
-    def spy(seqs, max_drafts):
-        proposal = propose(seqs, max_drafts)
+    def spy(seqs, max_drafts, guides=None):
+        proposal = propose(seqs, max_drafts, guides)
         seen.extend((list(seq.token_ids), drafts) for seq, drafts in zip(seqs, proposal.token_ids))
         return proposal
 

@@ -142,9 +142,9 @@ class UnmaskedArgmax(Proposer):
 
     def __init__(self, model, full_forward, k: int):
         self.model, self.full_forward, self.k = model, full_forward, k
-        self.forbidden_drafted = 0  # sampled sequences given a draft their grammar forbids (greedy ones drop it)
+        self.forbidden_drafted = 0  # sampled sequences given a draft their grammar forbids (the engine cuts it)
 
-    def propose(self, seqs, max_drafts):
+    def propose(self, seqs, max_drafts, guides=None):
         out = []
         for seq, cap in zip(seqs, max_drafts):
             ids = list(seq.token_ids)
@@ -161,8 +161,10 @@ class UnmaskedArgmax(Proposer):
 @pytest.mark.parametrize("verify", ["greedy", "target_match", "rejection"])
 def test_drafts_the_grammar_forbids_are_never_accepted_in_the_engine(sharp, make_engine, full_forward, prompt,
                                                                       no_spec, verify):
-    """Greedy and seeded sampled constrained requests with drafts = the unmasked argmax chain:
-    outputs equal the no-spec ones (greedy; seeded target_match) and stay valid (rejection)."""
+    """Greedy and seeded sampled constrained requests with drafts = the unmasked argmax chain (one-hot,
+    so the engine cuts them at the first forbidden one for every strategy): outputs equal the no-spec
+    ones (greedy; seeded target_match) and stay valid; under rejection the seeded outputs are those
+    the uncut drafts give (a rejected one-hot draft's recovered token is the bonus token)."""
     model, tok = sharp
     seeded = [SamplingParams(max_tokens=30, temperature=0.7, seed=7, structured=c) for c in (JSON, WORDS)]
     expected, _, _ = run(make_engine(model, tok), prompt, seeded)
@@ -175,6 +177,10 @@ def test_drafts_the_grammar_forbids_are_never_accepted_in_the_engine(sharp, make
     assert tokens[:2] == [no_spec[i] for i in GREEDY]
     if verify != "rejection":
         assert tokens[2:] == expected
+    else:  # not the no-spec tokens, but the very tokens the forbidden drafts would have given, scored
+        uncut = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 3, "verify": verify})
+        uncut.proposer, uncut._grammar_drafts = UnmaskedArgmax(model, full_forward, 3), lambda seq, t, drawn: t
+        assert run(uncut, prompt, greedy + seeded)[0] == tokens
     for sp, (out,), (reason,) in zip(greedy + seeded, tokens, finish):
         if reason is FinishReason.STOP:
             check_valid(sp.structured, tok.decode(out))

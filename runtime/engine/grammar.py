@@ -88,6 +88,18 @@ class Grammar:
         """Consume an emitted token; False if the grammar refuses it (the masks should make that impossible)."""
         return self.matcher.consume_token(token_id)
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next: llguidance's fast-forward tokens, the
+        canonical tokenization of the bytes every continuation starts with (a last token that a
+        longer token could swallow is left out). Another tokenization of the same bytes may also be
+        allowed: then the target decides, as for any draft."""
+        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
+
+    def copy(self) -> Grammar:
+        """An independent state to advance through drafts (llguidance's rollback does not restore a
+        state that had stopped, so drafting never touches the sequence's own)."""
+        return Grammar(self.matcher.deep_copy())
+
     @property
     def complete(self) -> bool:
         """No token but EOS can follow: the output is finished."""
@@ -132,6 +144,10 @@ class GrammarCompiler:
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, masks)
         return masks
 
+    def allowed(self, grammars: list[Grammar], vocab_size: int) -> torch.Tensor:  # [len(grammars), vocab_size] bool
+        """What each grammar allows next, unpacked (a proposer masks its draft logits with it)."""
+        return ~forbidden_tokens(self.fill_masks([(g, i, []) for i, g in enumerate(grammars)], len(grammars)), vocab_size)
+
     def _prototype(self, structured: StructuredOutput) -> LLMatcher:
         with self._lock:
             matcher = self._compiled.get(structured)
@@ -160,3 +176,16 @@ def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
     if not tokenizer.eos_token_ids:
         raise ValueError("structured outputs need a tokenizer with an EOS token")
     return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_token_ids))
+
+
+def forbidden_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed masks [M, W] int32 (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed) → [M, vocab_size]
+    bool, True where forbidden (tokens past the mask's width are forbidden)."""
+    dev = words.device
+    # little-endian words: byte t // 8 holds token t at bit t % 8; one table lookup per byte
+    byte_bits = torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)  # [256, 8]
+    forbidden_bits = (byte_bits & 1) == 0  # [256, 8] bool
+    forbidden = forbidden_bits.index_select(0, words.contiguous().view(torch.uint8).view(-1).int()).view(len(words), -1)
+    if forbidden.shape[1] < vocab_size:
+        forbidden = torch.cat([forbidden, forbidden.new_ones(len(words), vocab_size - forbidden.shape[1])], dim=1)
+    return forbidden[:, :vocab_size]

@@ -53,6 +53,7 @@ from specdecode.runtime.engine.sequence import (
 )
 from specdecode.runtime.engine.verifier import Verdict, Verifier
 from specdecode.runtime.proposers import Proposer, build_proposer
+from specdecode.runtime.proposers.drafting import DraftGuide, Guides
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
@@ -151,7 +152,10 @@ class LLMEngine:
         overlap = cfg.scheduler.overlap
         self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
-        self.load_control = LoadController(spec.load_control, spec.num_speculative_tokens)
+        self.load_control = LoadController(spec.load_control, spec.max_drafts)
+        self.grammar_drafts = spec.grammar_drafts
+        self.max_grammar_drafts = spec.max_grammar_drafts
+        self.cuts_sampled_drafts = spec.verify in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases
         self._step_number = 0
         self._next: _Plan | None = None  # step N+1, prepared while step N ran
@@ -282,8 +286,11 @@ class LLMEngine:
     def _decode_reservation(self, deciding: list[ScheduledSeq]) -> int:
         """The budget step N+1's decode rows may take: one token per sequence deciding in step N plus
         the drafts it may get then (its cap now: it only shrinks as its verdict's tokens are appended)."""
-        k = self.load_control.max_k(len(self.scheduler.running)) if self.proposer is not None else 0
-        return sum(1 + draft_cap(item.seq, k, self.max_model_len) for item in deciding)
+        if self.proposer is None:
+            return len(deciding)
+        k = self.load_control.max_k(len(self.scheduler.running))
+        return sum(1 + (draft_cap(item.seq, k, self.max_model_len) if self.proposer.drafts_for(item.seq) else 0)
+                   for item in deciding)
 
     def _complete(self, plan: _Plan, ahead: list[ScheduledSeq], ahead_inputs: PreparedStep | None) -> _Plan | None:
         """Step N+1 once step N's verdicts are in: the decode rows of its deciding sequences that
@@ -337,8 +344,8 @@ class LLMEngine:
         running = self.scheduler.running
         if self.proposer is None or not running:
             return {}
-        decoding = [s for s in running if len(s) - s.num_computed_tokens == 1]
-        if not decoding:  # a step of prefill chunks only: nothing to draft, no load-control decision
+        decoding = [s for s in running if len(s) - s.num_computed_tokens == 1 and self.proposer.drafts_for(s)]
+        if not decoding:  # prefill chunks only, or no sequence the proposer drafts for: no load-control decision
             return {}
         prefill = len(decoding) < len(running) or self.scheduler.admits_waiting()
         budget = self.load_control.budget(len(running), len(decoding), prefill)
@@ -350,18 +357,31 @@ class LLMEngine:
         asked = [item for item in scheduled if item.num_draft > 0]
         if not asked:
             return
-        proposal = self.proposer.propose([item.seq for item in asked], [item.num_draft for item in asked])
+        guides = self._guides(asked)
+        proposal = self.proposer.propose([item.seq for item in asked], [item.num_draft for item in asked], guides)
         self.load_control.observe_proposal([item.num_draft for item in asked], [len(t) for t in proposal.token_ids])
         for i, (item, tokens) in enumerate(zip(asked, proposal.token_ids)):
-            item.set_drafts(self._grammar_drafts(item.seq, tokens), None if proposal.probs is None else proposal.probs[i])
+            probs = None if proposal.probs is None else proposal.probs[i]
+            item.set_drafts(self._grammar_drafts(item.seq, tokens, probs is not None), probs)
 
-    @staticmethod
-    def _grammar_drafts(seq: Sequence, tokens: list[int]) -> list[int]:
-        """A greedy constrained sequence scores its drafts only up to the first one its grammar
-        forbids (that one would be rejected; greedy verification reads no draft distribution, so
-        dropping it changes nothing but the cost). Sampled ones keep theirs: under rejection
-        sampling, dropping a draft drawn from a distribution would change what is emitted."""
-        if seq.grammar is None or not seq.params.greedy:
+    def _guides(self, asked: list[ScheduledSeq]) -> Guides | None:
+        """Grammar-aware drafting (``grammar_drafts``): each constrained sequence's forced tokens, up
+        to ``max_grammar_drafts`` and its draft cap, and its grammar for a model-based proposer."""
+        if not self.grammar_drafts or not self.proposer.follows_guides:
+            return None
+        per_seq = [None if (g := item.seq.grammar) is None
+                   else DraftGuide(g.copy(), g.forced_tokens(min(self.max_grammar_drafts, item.num_draft))) for item in asked]
+        return Guides(self.grammars, per_seq) if any(per_seq) else None
+
+    def _grammar_drafts(self, seq: Sequence, tokens: list[int], drawn: bool) -> list[int]:
+        """A constrained sequence scores its drafts only up to the first one its grammar forbids,
+        where dropping that draft cannot change what is emitted (docs/runtime.md, "Grammar-aware
+        drafting"): greedy requests (the argmax never reads q); under target_match (q never read);
+        one-hot drafts (n-gram, suffix, forced: a rejected one-hot draft's residual is p itself, so
+        the recovered token equals the bonus token drawn with the same uniform). A draft drawn from
+        a dense q under rejection is kept: its residual differs from p. Drafts drawn under the
+        grammar (a local draft model or MTP head) are never forbidden."""
+        if seq.grammar is None or not (seq.params.greedy or self.cuts_sampled_drafts or not drawn):
             return tokens
         return tokens[: seq.grammar.valid_prefix(tokens)]
 

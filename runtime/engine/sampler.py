@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.runtime.engine.grammar import forbidden_tokens
 from specdecode.runtime.engine.sequence import SamplingParams, TokenLogprob
 
 
@@ -75,13 +76,8 @@ def apply_grammar_masks(
     constrained = [(row, start) for row, start in zip(rows, row_starts(rows)) if row.allowed is not None]
     if not constrained:
         return
-    dev = logits.device
-    words = torch.cat([row.allowed for row, _ in constrained]).to(dev)  # [M, W] int32
-    # little-endian words: byte t // 8 holds token t at bit t % 8; one table lookup per byte
-    byte_bits = torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)  # [256, 8]
-    forbidden_bits = (byte_bits & 1) == 0  # [256, 8] bool
-    forbidden = forbidden_bits.index_select(0, words.view(torch.uint8).view(-1).int())  # [M·4W, 8]
-    forbidden = forbidden.view(len(words), -1)[:, : logits.shape[1]]  # [M, V]
+    words = torch.cat([row.allowed for row, _ in constrained]).to(logits.device)  # [M, W] int32
+    forbidden = forbidden_tokens(words, logits.shape[1])  # [M, V]
     at = 0
     for row, start in constrained:
         logits[start : start + row.num_rows].masked_fill_(forbidden[at : at + row.num_rows], float("-inf"))

@@ -86,7 +86,7 @@ def pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, transport: PipelineT
     relayed = RelayedDrafts() if proposes_on_verifier(spec.method) else None
 
     def execution(runner: ModelRunner) -> PipelineExecution:
-        k = spec.num_speculative_tokens if spec.enabled else 0
+        k = spec.max_drafts  # forced drafts alone with method 'none' and grammar_drafts
         slots_ahead = k if spec.method is SpeculativeMethod.MTP else 0  # the heads write K/V as they draft
         return PipelineExecution(runner, transport, cfg.parallel, k, relayed, slots_ahead)
 

@@ -54,6 +54,7 @@ from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.parallel.step_channel import TensorParallelBroken
 from specdecode.runtime.parallel.transport import PipelineTransport
 from specdecode.runtime.proposers import Proposal, Proposer, build_proposer
+from specdecode.runtime.proposers.drafting import Guides
 
 PAD = -1
 
@@ -173,6 +174,8 @@ class RelayedDrafts(Proposer):
     """Rank 0's face of a proposer on the verifier: the drafts that came with the last verdicts,
     valid for the sequence length they were made for."""
 
+    follows_guides = False  # the verifier holds no grammar: its drafts are cut by rank 0 where that is safe
+
     def __init__(self) -> None:
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id → (len(seq) they follow, drafts)
 
@@ -180,7 +183,7 @@ class RelayedDrafts(Proposer):
         """``drafts`` for sequence ``seq_id`` once it has ``length`` tokens."""
         self.drafts[seq_id] = (length, drafts)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         return Proposal([self._ready(seq)[:k] for seq, k in zip(seqs, max_drafts)])
 
     def catch_up(self, seq: Sequence) -> int:

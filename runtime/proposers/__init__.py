@@ -13,6 +13,7 @@ from specdecode.runtime.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specdecode.runtime.models.decoder import DecoderLM
+    from specdecode.runtime.proposers.drafting import Guides
     from specdecode.runtime.tokenizer import Tokenizer
 
 
@@ -27,10 +28,19 @@ class Proposal:
 class Proposer:
     """What the engine asks of a proposer; the defaults suit proposers that read only token ids."""
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+    follows_guides: bool = True  # False: ``propose`` ignores guides (drafts made elsewhere, without the grammar)
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``.
-        Called after scheduling, for scheduled decoding sequences only."""
+        Called after scheduling, for scheduled decoding sequences only. With ``guides``, a guided
+        sequence's drafts start with its forced tokens (the engine caps them at ``max_drafts``) and
+        continue from the sequence followed by them; a model-based proposer draws them under the
+        grammar (``drafting.choose_guided_drafts``)."""
         raise NotImplementedError
+
+    def drafts_for(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may get drafts at all (the engine reserves room only for those)."""
+        return True
 
     def catch_up(self, seq: Sequence) -> int:
         """Tokens of ``seq`` (before its last) the proposer must still run through a model before it
@@ -71,7 +81,11 @@ def build_proposer(
     it was loaded from (``LoadConfig.model``: its checkpoint may carry the MTP layers) and the KV
     block size / pool size (the heads keep K/V under the target's block tables)."""
     if cfg.method is SpeculativeMethod.NONE:
-        return None
+        if not cfg.grammar_drafts:
+            return None
+        from specdecode.runtime.proposers.forced import ForcedProposer
+
+        return ForcedProposer()
     if cfg.method is SpeculativeMethod.NGRAM:
         from specdecode.runtime.proposers.ngram import NgramProposer
 

@@ -21,9 +21,10 @@ Each step, for the sequences asked for drafts:
 
 So a step forwards at most max(budget, (K+1)·B) + (K−1)·B tokens, never the prefix again.
 
-Draft tokens are chosen by ``choose_drafts``: the argmax for greedy requests, drawn from the
+Draft tokens are chosen by ``choose_guided_drafts``: the argmax for greedy requests, drawn from the
 draft's own distribution for sampled ones, and those distributions are returned so rejection
-sampling is exact. A sequence that does not fit in the draft pool, or past
+sampling is exact; a constrained sequence's forced tokens are fed as its first drafts and the rest
+drawn under its grammar (drafting.py). A sequence that does not fit in the draft pool, or past
 the draft model's context, gets no drafts this step; the step never fails for it.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.proposers import Proposal, Proposer
-from specdecode.runtime.proposers.drafting import choose_drafts
+from specdecode.runtime.proposers.drafting import Guides, choose_guided_drafts, draft_probs
 from specdecode.runtime.tokenizer import Tokenizer
 
 _DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16}
@@ -97,15 +98,12 @@ class DraftProposer(Proposer):
         check_same_tokenizer(loaded, target_vocab_size, tokenizer)
         return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype, max_catch_up_tokens)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         ks, fed = self._catch_up_all(seqs, max_drafts)  # drafts this step (0: none), tokens queued to feed
-        drafts: list[list[int]] = [[] for _ in seqs]
-        if not any(fed):
-            return Proposal(drafts)
-        sampled = any(k and not seq.params.greedy for seq, k in zip(seqs, ks))
-        vocab = self.model.config.vocab_size
-        probs = torch.zeros(len(seqs), max(ks), vocab, device=self.device) if sampled else None  # [B, K, V]
-        for j in range(max(1, max(ks))):  # j = 0 also feeds the catch-ups that draft nothing yet
+        drafts = [guides.forced(i)[:k] if guides is not None and not ks[i] else [] for i, k in enumerate(max_drafts)]
+        q_rows: dict[tuple[int, int], torch.Tensor] = {}  # (sequence, draft) → the distribution it was drawn from
+        want_probs = any(k and not seq.params.greedy for seq, k in zip(seqs, ks))
+        for j in range(max(1, max(ks))) if any(fed) else ():  # j = 0 also feeds the catch-ups that draft nothing yet
             rows = [i for i, k in enumerate(ks) if k > j or (j == 0 and fed[i])]
             states = [self.states[seqs[i].seq_id] for i in rows]
             logits = self.runner.execute([ScheduledSeq(s, len(s) - s.num_computed_tokens) for s in states]).logits  # [len(rows), V]
@@ -116,13 +114,16 @@ class DraftProposer(Proposer):
                 continue
             rows = [rows[r] for r in drafting]
             logits = logits.index_select(0, torch.tensor(drafting, device=logits.device))
-            tokens, q = choose_drafts(logits, [seqs[i] for i in rows], j, want_probs=probs is not None)
-            for i, token in zip(rows, tokens.tolist()):
+            tokens, q = choose_guided_drafts(logits, seqs, rows, j, want_probs, guides, self.model.config.vocab_size)
+            for r, (i, token) in enumerate(zip(rows, tokens)):
+                if token is None:
+                    ks[i] = j
+                    continue
                 self.states[seqs[i].seq_id].token_ids.append(token)
                 drafts[i].append(token)
-            if q is not None:
-                probs[rows, j] = q
-        return Proposal(drafts, probs)
+                if q is not None:
+                    q_rows[i, j] = q[r]
+        return Proposal(drafts, draft_probs(drafts, q_rows, self.model.config.vocab_size, self.device) if want_probs else None)
 
     def finished(self, seq: Sequence) -> None:
         state = self.states.pop(seq.seq_id, None)

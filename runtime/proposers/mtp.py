@@ -17,9 +17,10 @@ from module j mod L at slot n − 1 + j. Per decoding sequence and step the head
 rows there and, in ``observe``, one row per accepted draft (the chained slots are recomputed from
 the target's hidden states once verified): at most 2K rows.
 
-Draft choice (``choose_drafts``): argmax for greedy requests, sampled from the head's distribution
-under the request's temperature / top-k / top-p otherwise, with those exact distributions
-returned for rejection sampling. With a *reduced draft vocabulary* (the N tokens most frequent in
+Draft choice (``choose_guided_drafts``): argmax for greedy requests, sampled from the head's
+distribution under the request's temperature / top-k / top-p otherwise, with those exact
+distributions returned for rejection sampling; a constrained sequence's forced tokens are taken as
+chain tokens and the rest drawn under its grammar (drafting.py). With a *reduced draft vocabulary* (the N tokens most frequent in
 the head's training data, EAGLE-3 style) the logits are computed over those N rows of the LM
 head only; a token outside them is never drafted and q is zero there, so q stays exact.
 """
@@ -43,7 +44,7 @@ from specdecode.runtime.models.loader import served_name
 from specdecode.runtime.models.mtp import MtpHead, MtpModule
 from specdecode.runtime.models.mtp_checkpoint import LOOKED_FOR, load_mtp_head
 from specdecode.runtime.proposers import Proposal, Proposer
-from specdecode.runtime.proposers.drafting import choose_drafts
+from specdecode.runtime.proposers.drafting import Guides, choose_guided_drafts, draft_probs
 
 
 @dataclass
@@ -85,30 +86,35 @@ class MtpProposer(Proposer):
     # -- drafting ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
-        drafts: list[list[int]] = [[] for _ in seqs]
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         # draft j is written at slot n − 1 + j: no further than the block table reaches (the scheduler
         # reserves that; a pipeline's last stage drafts a step ahead, into the slots rank 0 could spare)
         max_drafts = [min(k, len(s.block_table) * self.block_size - len(s) + 1) for s, k in zip(seqs, max_drafts)]
         rows = [i for i, s in enumerate(seqs) if self._can_draft(s) and max_drafts[i] > 0]
+        drafts = [guides.forced(i)[:k] if guides is not None and i not in rows else [] for i, k in enumerate(max_drafts)]
         if not rows:
             return Proposal(drafts)
-        k_max = max(max_drafts[i] for i in rows)
         want_probs = any(not seqs[i].params.greedy for i in rows)
-        probs = torch.zeros(len(seqs), k_max, self.target.config.vocab_size, device=self.device) if want_probs else None
+        q_rows: dict[tuple[int, int], torch.Tensor] = {}
         jobs = [_CatchUp(seqs[i], self.states[seqs[i].seq_id], len(seqs[i]) - 1, len(seqs[i]), [], None) for i in rows]
         out = self._run(jobs, self.block_carry.new_empty(0, self.block_carry.shape[2]))[0]  # [B, H]: module 0, slot n − 1
-        for j in range(k_max):
+        for j in range(max(max_drafts[i] for i in rows)):
             if j > 0:
                 alive = [r for r, i in enumerate(rows) if max_drafts[i] > j]
+                if not alive:
+                    break
                 rows = [rows[r] for r in alive]
                 out = self._chain(j, [seqs[i] for i in rows], out[alive], [drafts[i][-1] for i in rows])
-            tokens, q = self._draft(self.head.layers[j % len(self.head.layers)], out, [seqs[i] for i in rows], j, want_probs)
-            for i, token in zip(rows, tokens):
+            tokens, q = self._draft(self.head.layers[j % len(self.head.layers)], out, seqs, rows, j, want_probs, guides)
+            for r, (i, token) in enumerate(zip(rows, tokens)):
+                if token is None:
+                    max_drafts[i] = j
+                    continue
                 drafts[i].append(token)
-            if q is not None:
-                probs[rows, j] = q
-        return Proposal(drafts, probs)
+                if q is not None:
+                    q_rows[i, j] = q[r]
+        vocab = self.target.config.vocab_size
+        return Proposal(drafts, draft_probs(drafts, q_rows, vocab, self.device) if want_probs else None)
 
     def _can_draft(self, seq: Sequence) -> bool:
         state = self.states.get(seq.seq_id)
@@ -126,15 +132,12 @@ class MtpProposer(Proposer):
         return self.head.layers[m](prev, embeds, self.target.rope, self.kv_pools[m], batch)  # [B, H]
 
     def _draft(
-        self, module: MtpModule, out: torch.Tensor, seqs: list[Sequence], j: int, want_probs: bool
-    ) -> tuple[list[int], torch.Tensor | None]:  # out: [B, H] → draft j of each sequence, q [B, V] or None
+        self, module: MtpModule, out: torch.Tensor, seqs: list[Sequence], rows: list[int], j: int, want_probs: bool,
+        guides: Guides | None,
+    ) -> tuple[list[int | None], torch.Tensor | None]:  # out: [B, H] → draft j of each row, q [B, V] or None
         logits = linear(module.final_norm(out), self.lm_weight).float()  # [B, N]
-        tokens, q = choose_drafts(logits, seqs, j, want_probs)
-        if self.vocab_ids is None:
-            return tokens.tolist(), q
-        if q is not None:
-            q = q.new_zeros(len(seqs), self.target.config.vocab_size).index_copy_(1, self.vocab_ids, q)
-        return self.vocab_ids[tokens].tolist(), q
+        return choose_guided_drafts(logits, seqs, rows, j, want_probs, guides, self.target.config.vocab_size,
+                                    self.vocab_ids)
 
     # -- following the target ---------------------------------------------------------------------
 

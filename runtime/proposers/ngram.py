@@ -11,6 +11,7 @@ from specdecode.kernels.ngram import ngram_propose
 from specdecode.kernels import PLACEHOLDER_TOKEN_ID
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.proposers import Proposal, Proposer
+from specdecode.runtime.proposers.drafting import Guides
 
 
 class NgramProposer(Proposer):
@@ -18,12 +19,15 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n, self.k = min_n, max_n, k
         self.device = device
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
-        longest = max(len(s) for s in seqs)
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
+        """Matched over each sequence's tokens followed by its forced ones, which start its drafts."""
+        forced = [guides.forced(i) if guides is not None else [] for i in range(len(seqs))]
+        contexts = [s.token_ids + f for s, f in zip(seqs, forced)]
+        longest = max(len(c) for c in contexts)
         tokens = torch.full((len(seqs), longest), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, L]
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = torch.tensor(s.token_ids)
-        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [B]
+        for i, c in enumerate(contexts):
+            tokens[i, : len(c)] = torch.tensor(c)
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)  # [B]
         k = max(max_drafts)
         drafts, counts = ngram_propose(tokens.to(self.device), lengths.to(self.device), self.min_n, self.max_n, k)
-        return Proposal([row[: min(n, cap)] for row, n, cap in zip(drafts.tolist(), counts.tolist(), max_drafts)])
+        return Proposal([(f + row[:n])[:cap] for row, n, cap, f in zip(drafts.tolist(), counts.tolist(), max_drafts, forced)])

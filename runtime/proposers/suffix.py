@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.proposers import Proposal, Proposer
+from specdecode.runtime.proposers.drafting import Guides
 
 
 class _Node:
@@ -209,8 +210,9 @@ class SuffixProposer(Proposer):
         self.cached_outputs: deque[list[int]] = deque()  # oldest first
         self.own: dict[int, _OwnIndex] = {}  # by seq_id
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> Proposal:
-        return Proposal([self._propose_one(seq, k) for seq, k in zip(seqs, max_drafts)])
+    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
+        return Proposal([self._propose_one(seq, k, guides.forced(i) if guides is not None else [])
+                         for i, (seq, k) in enumerate(zip(seqs, max_drafts))])
 
     def finished(self, seq: Sequence) -> None:
         """Drop the sequence's own trie; its generated tokens join the cache trie."""
@@ -223,15 +225,19 @@ class SuffixProposer(Proposer):
         while len(self.cached_outputs) > self.max_cached_requests:
             self.cache.remove(self.cached_outputs.popleft())
 
-    def _propose_one(self, seq: Sequence, k: int) -> list[int]:
-        if k <= 0:
-            return []
+    def _propose_one(self, seq: Sequence, k: int, forced: list[int]) -> list[int]:
+        """``forced`` first, then what followed the longest match of the sequence's tokens followed
+        by them (the forced tokens are matched, never indexed: they may yet be rejected)."""
+        k_own = k - len(forced)
+        if k_own <= 0:
+            return forced[:k]
         own = self._index(seq)
-        max_len = max(1, self.max_depth - k)
-        own_len, own_pos = self._own_match(own, max_len)
-        cache_len, cache_pos = self.cache.match(seq.token_ids, max_len)
+        max_len = max(1, self.max_depth - k_own)
+        context = seq.token_ids + forced
+        own_len, own_pos = own.trie.match(context, max_len) if forced else self._own_match(own, max_len)
+        cache_len, cache_pos = self.cache.match(context, max_len)
         pos = own_pos if own_len >= cache_len else cache_pos
-        return [] if pos is None else draft(pos, k, self.min_token_prob)
+        return forced + ([] if pos is None else draft(pos, k_own, self.min_token_prob))
 
     def _index(self, seq: Sequence) -> _OwnIndex:
         """The sequence's own trie, extended by the tokens appended since the last call."""
