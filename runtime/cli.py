@@ -10,15 +10,21 @@ operator's admission reads them too.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdecode.runtime import serve_flags
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
+
+    from specdecode.runtime.config import SpeculativeConfig
+    from specdecode.runtime.engine.grammar import StructuredOutput
+    from specdecode.runtime.engine.sequence import SpecCounts
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,17 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     serve_flags.add_parallel_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     serve_flags.add_overlap_argument(parser)
+    serve_flags.add_speculative_argument(parser)
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=None)
+    one_of = parser.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    one_of.add_argument("--json-schema", metavar="JSON|@FILE",
+                        help="the output is JSON valid against this schema (the text, or @ and a file holding it)")
+    one_of.add_argument("--regex", help="the output matches this regular expression")
+    one_of.add_argument("--choice", metavar="JSON", help='the output is one of these strings: \'["yes", "no"]\'')
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -78,35 +90,90 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     try:
         cfg = serve_flags.engine_config(args)
+        structured = _structured_output(args)
     except ValidationError as exc:
         print(f"specdecode generate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as exc:  # the constraint's file or JSON, checked before the model loads
+        print(f"specdecode generate: {exc}", file=sys.stderr)
+        return 2
     async_engine = AsyncEngine.from_config(cfg)
     try:
-        _generate(async_engine.engine, args)  # the synchronous LLMEngine, no thread
+        return _generate(async_engine.engine, args, structured, cfg.speculative)  # the synchronous LLMEngine
     finally:
         async_engine.shutdown()  # stops tensor-parallel workers
-    return 0
 
 
-def _generate(engine, args: argparse.Namespace) -> None:
-    from specdecode.runtime.engine.sequence import SamplingParams
+def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The ``StructuredOutput`` the flags ask for, or None. Its JSON is parsed here, so a quoting
+    slip fails before the model loads; what llguidance refuses fails when the request is added."""
+    from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
 
-    tokenizer = engine.tokenizer
-    if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    if args.json_schema is not None:
+        text = args.json_schema
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        _parse_json("--json-schema", text)
+        return StructuredOutput(StructuredKind.JSON, text)
+    if args.regex is not None:
+        return StructuredOutput(StructuredKind.REGEX, args.regex)
+    if args.choice is not None:
+        _parse_json("--choice", args.choice)
+        return StructuredOutput(StructuredKind.CHOICE, args.choice)
+    return None
+
+
+def _parse_json(flag: str, text: str) -> None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
+
+
+def _generate(engine, args: argparse.Namespace, structured: StructuredOutput | None,
+              speculative: SpeculativeConfig) -> int:
+    """Stream the completion to stdout, then, where the request could be given drafts, its
+    acceptance; 2 when the engine refuses the request (a constraint llguidance cannot compile)."""
+    from specdecode.runtime.engine.sequence import SamplingParams, SpecCounts
+
+    prompt_ids = _prompt_ids(engine.tokenizer, args)
     max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
-    params = SamplingParams(max_tokens=max(1, max_tokens), temperature=args.temperature, seed=args.seed)
-    engine.add_request("generate", prompt_ids, params)
+    params = SamplingParams(max_tokens=max(1, max_tokens), temperature=args.temperature, seed=args.seed,
+                            structured=structured)
+    try:
+        engine.add_request("generate", prompt_ids, params)
+    except ValueError as exc:
+        print(f"specdecode generate: {exc}", file=sys.stderr)
+        return 2
+    spec = SpecCounts()
     while engine.has_unfinished():
         for out in engine.step():
             for delta in out.deltas:
                 sys.stdout.write(delta.text)
             sys.stdout.flush()
+            spec = out.spec  # the request's counts so far
     sys.stdout.write("\n")
+    if speculative.enabled or (structured is not None and speculative.grammar_drafts):
+        print(f"\n{_acceptance_block(spec)}")
+    return 0
+
+
+def _prompt_ids(tokenizer, args: argparse.Namespace) -> list[int]:
+    if not args.chat:
+        return tokenizer.encode(args.prompt, add_special_tokens=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _acceptance_block(spec: SpecCounts) -> str:
+    """A request's ``SpecCounts`` as ``generate`` prints them: the verify steps that scored drafts,
+    draft tokens, accepted tokens, acceptance rate (accepted ÷ draft tokens), and per draft
+    position the steps whose draft at that position was accepted."""
+    rate = f"{spec.num_accepted_tokens / spec.num_draft_tokens:.2f}" if spec.num_draft_tokens else "n/a"
+    rows = [("drafts scored (steps)", spec.num_drafts), ("draft tokens", spec.num_draft_tokens),
+            ("accepted tokens", spec.num_accepted_tokens), ("acceptance rate", rate),
+            ("accepted per position", " ".join(map(str, spec.accepted_per_position)) or "-")]
+    return "\n".join(f"{name + ':':<23}{value}" for name, value in rows)
 
 
 # -- validate / render (the operator's pure core; torch-free) -----------------------------------
@@ -176,6 +243,18 @@ def _run_bench_step(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_bench_grammar(parser: argparse.ArgumentParser) -> None:
+    from specdecode.bench.grammar import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench_grammar(args: argparse.Namespace) -> int:
+    from specdecode.bench.grammar import run
+
+    return run(args)
+
+
 def _add_train_mtp(parser: argparse.ArgumentParser) -> None:
     from specdecode.runtime.training.command import add_arguments
 
@@ -226,6 +305,8 @@ SUBCOMMANDS: list[Subcommand] = [
                _add_bench_kernels, _run_bench_kernels),
     Subcommand("bench-step", "time the engine's decode/verify steps against a baseline checkout (table, JSON, plot)",
                _add_bench_step, _run_bench_step),
+    Subcommand("bench-grammar", "grammar-aware drafting off against on, over schema-shaped requests (table, JSON, "
+               "plot)", _add_bench_grammar, _run_bench_grammar),
     *(Subcommand(name, LOCAL_HELP.get(name, f"{name} the rollout of a deployment run by `up` (once per value)"),
                  *_local(name)) for name in LOCAL),
 ]

@@ -43,10 +43,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_overlap_argument(g)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="a fuller waiting queue answers 503")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method":"ngram","num_speculative_tokens":4,"verify":"rejection"}\' '
-                        "(methods: none, ngram, suffix, draft, mtp; verify: greedy, target_match, rejection, "
-                        "topp — topp is lossy)")
+    add_speculative_argument(g)
+
+
+def add_speculative_argument(parser) -> None:
+    """``--speculative-config``: the ``SpeculativeConfig`` JSON, its draft model and MTP head paths included."""
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding, e.g. "
+                             '\'{"method":"ngram","num_speculative_tokens":4,"verify":"rejection"}\' '
+                             "(methods: none, ngram, suffix, draft, mtp; verify: greedy, target_match, rejection, "
+                             "topp — topp is lossy)")
 
 
 def add_overlap_argument(parser) -> None:

@@ -1,5 +1,5 @@
-"""Packaging: the built wheel carries every module (subpackages included) and they import from it;
-the torch-free parts import with torch made unimportable."""
+"""Packaging: the built wheel carries every module (subpackages included) and the package data, and they
+import and read from it; the torch-free parts import with torch made unimportable."""
 import subprocess
 import sys
 import textwrap
@@ -39,6 +39,12 @@ def test_wheel_contains_every_module(wheel):
     assert not missing, f"the wheel silently drops {sorted(missing)}: list their packages in pyproject.toml"
 
 
+def test_wheel_contains_the_package_data(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = {f"specdecode/bench/{p.relative_to(REPO / 'bench').as_posix()}" for p in (REPO / "bench" / "data").iterdir()}
+    assert data and data <= names, f"the wheel drops {sorted(data - names)}: list them in pyproject.toml package-data"
+
+
 def test_every_module_imports_from_the_wheel(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(
@@ -57,6 +63,8 @@ def test_every_module_imports_from_the_wheel(wheel, tmp_path):
                 continue
             mod = importlib.import_module(name)
             assert mod.__file__.startswith({str(target)!r}), (name, mod.__file__)
+        from specdecode.bench.grammar import load_requests  # its package data
+        assert load_requests()
         print("imported", len({modules!r}))
         """
     )
