@@ -154,6 +154,7 @@ class LLMEngine:
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
         self.load_control = LoadController(spec.load_control, spec.max_drafts)
         self.grammar_drafts = spec.grammar_drafts
+        self.proposes = spec.enabled  # a proposer of its own, not only a grammar's forced tokens
         self.max_grammar_drafts = spec.max_grammar_drafts
         self.cuts_sampled_drafts = spec.verify in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases
@@ -432,7 +433,7 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec.accepted_per_position),
-            spec_decode_enabled=self.proposer is not None and self.load_control.enabled,
+            spec_decode_enabled=self.proposes and self.load_control.enabled,
         )
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
