@@ -177,7 +177,7 @@ def run_closed_loop(
             admit()
     wall = time.perf_counter() - t0
     timings = [RequestTiming.from_arrivals(started[i], arrivals[i]) for i in range(len(prompt_ids))]
-    spec = counts_since(spec_before, spec_counts(engine)) if engine.proposer is not None else None
+    spec = counts_since(spec_before, spec_counts(engine)) if engine.proposes else None
     pipeline = pipeline_since(pipeline_before, pipeline_stats(engine)) if pipeline_before is not None else None
     return RunResult(concurrency, warmup, wall, sum(len(o) for o in outputs), timings, outputs, spec=spec,
                      pipeline=pipeline)

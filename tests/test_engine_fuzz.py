@@ -186,20 +186,21 @@ def test_sampled_tokens_follow_the_target_beyond_the_first_inside_fuzzer_batches
 
 def test_the_judge_excuses_a_sampled_difference_only_at_a_proven_near_tie(bed):
     """Fuzz seed 10's seeded request (temperature 1, presence penalty 0.5): under a noisy draft its
-    last token came out 121 where the reference has 122, the draw 1.4e-7 below the CDF boundary
-    between them. The judge accepts exactly that and refuses a token the draw could not reach."""
+    last token came out 121 where the reference had 122, the draw 1.4e-7 below the CDF boundary
+    between them. The judge accepts either side of that boundary and refuses a token the draw could
+    not reach."""
     prompt = (239, 387, 235) * 5 + (239, 387)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1517164474, presence_penalty=0.5,
                             stop_token_ids=(239,), ignore_eos=True)
     request = FuzzRequest("r5", prompt, params, 0, None)
     axes = Axes("draft-noisy", "greedy", False, 1)
     (reference,) = bed.reference(request, bed.workload(10, axes).shape.block_size)
-    assert reference.tokens[7] == 122
+    (other,) = {121, 122} - {reference.tokens[7]}  # which side the reference lands on depends on its batch shapes
 
     def judged(last: int) -> None:
         got = Completion(reference.tokens[:7] + [last], reference.text, reference.finish_reason)
         Judge(bed, request, axes, [reference]).check(Outcome([got], finished_outputs=1))
 
-    judged(121)
+    judged(other)
     with pytest.raises(AssertionError, match="no near-tie"):
         judged(254)

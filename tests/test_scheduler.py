@@ -69,7 +69,7 @@ class SpyProposer(Proposer):
     def __init__(self):
         self.asked: list[list[int]] = []
 
-    def propose(self, seqs, max_drafts):
+    def propose(self, seqs, max_drafts, guides=None):
         self.asked.append([s.seq_id for s in seqs])
         return Proposal([[0] * k for k in max_drafts])
 
