@@ -10,6 +10,7 @@ import pytest
 
 from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
 from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.proposers import Proposal, Proposer
 
 # long keys and an enum: most of the output is forced; compact, so a random model cannot pad with spaces
 SCHEMA = {
@@ -157,3 +158,38 @@ def test_forced_tokens_alone_cut_the_target_steps(sharp, make_engine, prompt, no
     forced, spec = steps({"method": "none", "grammar_drafts": True, "max_grammar_drafts": 8})
     assert forced < plain
     assert spec["0"].num_accepted_tokens > 0 and spec["1"].num_draft_tokens == 0
+
+
+class DraftedElsewhere(Proposer):
+    """Drafts made without the grammar (as a pipeline's last stage relays a draft model's): the
+    token ``z`` each time, which the compact JSON grammar never allows outside a string."""
+
+    follows_guides = False
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, seqs, max_drafts, guides=None):
+        return Proposal([[self.token] * k for k in max_drafts])
+
+
+def test_drafts_made_without_the_grammar_are_cut_only_where_that_keeps_the_output(sharp, make_engine, prompt):
+    """A proposer that ignores guides may have drawn dense drafts, whose q this process does not
+    hold: under rejection a sampled request scores them (cutting a forbidden one would draw the
+    bonus from p where the residual is due, a bias); a greedy request has them cut."""
+    model, tok = sharp
+    engine = make_engine(model, tok, spec={"method": "ngram", "num_speculative_tokens": 2, "verify": "rejection"})
+    (z,) = tok.encode("z")
+    engine.proposer = DraftedElsewhere(z)
+    scored = {True: 0, False: 0}  # greedy? → forbidden drafts scored
+    launch = engine.execution.launch
+
+    def launched(scheduled, step, rows):
+        for row in rows:
+            if row.allowed is not None:
+                scored[row.params.greedy] += sum(z not in _allowed(words) for words in row.allowed[: len(row.draft_token_ids)])
+        return launch(scheduled, step, rows)
+
+    engine.execution.launch = launched
+    run(engine, prompt, [REQUESTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=1, structured=JSON)])
+    assert scored[False] > 0 and scored[True] == 0

@@ -363,7 +363,9 @@ class LLMEngine:
         self.load_control.observe_proposal([item.num_draft for item in asked], [len(t) for t in proposal.token_ids])
         for i, (item, tokens) in enumerate(zip(asked, proposal.token_ids)):
             probs = None if proposal.probs is None else proposal.probs[i]
-            item.set_drafts(self._grammar_drafts(item.seq, tokens, probs is not None), probs)
+            # drafts made without the grammar elsewhere (a pipeline's last stage) may be dense for sampled requests
+            drawn = probs is not None or not self.proposer.follows_guides
+            item.set_drafts(self._grammar_drafts(item.seq, tokens, drawn), probs)
 
     def _guides(self, asked: list[ScheduledSeq]) -> Guides | None:
         """Grammar-aware drafting (``grammar_drafts``): each constrained sequence's forced tokens, up
@@ -380,8 +382,9 @@ class LLMEngine:
         drafting"): greedy requests (the argmax never reads q); under target_match (q never read);
         one-hot drafts (n-gram, suffix, forced: a rejected one-hot draft's residual is p itself, so
         the recovered token equals the bonus token drawn with the same uniform). A draft drawn from
-        a dense q under rejection is kept: its residual differs from p. Drafts drawn under the
-        grammar (a local draft model or MTP head) are never forbidden."""
+        a dense q under rejection is kept: cutting it would draw from p where the residual is due,
+        which biases the output. Drafts drawn under the grammar (a local draft model or MTP head)
+        are never forbidden."""
         if seq.grammar is None or not (seq.params.greedy or self.cuts_sampled_drafts or not drawn):
             return tokens
         return tokens[: seq.grammar.valid_prefix(tokens)]
