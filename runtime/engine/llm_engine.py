@@ -153,10 +153,7 @@ class LLMEngine:
         self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
         self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
         self.load_control = LoadController(spec.load_control, spec.max_drafts)
-        self.grammar_drafts = spec.grammar_drafts
-        self.proposes = spec.enabled  # a proposer of its own, not only a grammar's forced tokens
-        self.max_grammar_drafts = spec.max_grammar_drafts
-        self.cuts_sampled_drafts = spec.verify in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
+        self.speculative = spec
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases
         self._step_number = 0
         self._next: _Plan | None = None  # step N+1, prepared while step N ran
@@ -284,6 +281,11 @@ class LLMEngine:
         self._event("inputs built ahead", self._step_number + 1)
         return ahead, inputs
 
+    @property
+    def proposes(self) -> bool:
+        """A proposer of its own is configured, not only a grammar's forced tokens."""
+        return self.speculative.enabled
+
     def _decode_reservation(self, deciding: list[ScheduledSeq]) -> int:
         """The budget step N+1's decode rows may take: one token per sequence deciding in step N plus
         the drafts it may get then (its cap now: it only shrinks as its verdict's tokens are appended)."""
@@ -370,10 +372,11 @@ class LLMEngine:
     def _guides(self, asked: list[ScheduledSeq]) -> Guides | None:
         """Grammar-aware drafting (``grammar_drafts``): each constrained sequence's forced tokens, up
         to ``max_grammar_drafts`` and its draft cap, and its grammar for a model-based proposer."""
-        if not self.grammar_drafts or not self.proposer.follows_guides:
+        if not self.speculative.grammar_drafts or not self.proposer.follows_guides:
             return None
+        cap = self.speculative.max_grammar_drafts
         per_seq = [None if (g := item.seq.grammar) is None
-                   else DraftGuide(g.copy(), g.forced_tokens(min(self.max_grammar_drafts, item.num_draft))) for item in asked]
+                   else DraftGuide(g.copy(), g.forced_tokens(min(cap, item.num_draft))) for item in asked]
         return Guides(self.grammars, per_seq) if any(per_seq) else None
 
     def _grammar_drafts(self, seq: Sequence, tokens: list[int], drawn: bool) -> list[int]:
@@ -385,7 +388,8 @@ class LLMEngine:
         a dense q under rejection is kept: cutting it would draw from p where the residual is due,
         which biases the output. Drafts drawn under the grammar (a local draft model or MTP head)
         are never forbidden."""
-        if seq.grammar is None or not (seq.params.greedy or self.cuts_sampled_drafts or not drawn):
+        q_unread = self.speculative.verify in (VerifyStrategy.GREEDY, VerifyStrategy.TARGET_MATCH)
+        if seq.grammar is None or not (seq.params.greedy or q_unread or not drawn):
             return tokens
         return tokens[: seq.grammar.valid_prefix(tokens)]
 
