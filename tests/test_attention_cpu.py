@@ -1,7 +1,8 @@
-"""The runtime's CPU attention (``attend_gathered``: padded groups of sequences, their keys gathered
-from their blocks, one masked SDPA per group) equals the kernels' plain-torch reference, on the
-kernel tests' batches (blocks scattered through the pool) and on tables of consecutive blocks;
-slots it may not read change nothing, in the model too."""
+"""The runtime's CPU attention (``attend_on_cpu``: decode rows and verify chains streamed block
+span by block span, prefill chunks gathered for one masked SDPA) equals the kernels' plain-torch
+reference, on the kernel tests' batches (blocks scattered through a pool stored KV-head-major, as
+``kv_pool`` stores it) and on tables of consecutive blocks (a token-major pool); slots it may not
+read change nothing, in the model too."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,7 +12,7 @@ import torch
 from test_kernels_attention import DECODE_BATCHES, PREFILL_BATCHES, Batch, make_batch, poisoned
 
 from specdecode.kernels.paged_attention import paged_attention_reference
-from specdecode.runtime.models.attention import AttentionBatch, attend_gathered
+from specdecode.runtime.models.attention import AttentionBatch, attend_on_cpu
 
 BATCHES = {**DECODE_BATCHES, **PREFILL_BATCHES}
 
@@ -21,7 +22,7 @@ def cpu_attention(batch: Batch) -> torch.Tensor:
         positions=torch.empty(0, dtype=torch.long), slot_mapping=torch.empty(0, dtype=torch.long),
         block_tables=batch.block_tables.long(), seq_lens=batch.seq_lens.long(), query_start=batch.query_start.long(),
         block_size=batch.k_pool.shape[1], max_query_len=batch.max_query_len, hidden_keys=batch.hidden_keys)
-    return attend_gathered(batch.q, batch.k_pool, batch.v_pool, metadata, batch.scale)
+    return attend_on_cpu(batch.q, batch.k_pool, batch.v_pool, metadata, batch.scale)
 
 
 def contiguous(batch: Batch) -> Batch:

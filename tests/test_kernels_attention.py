@@ -73,7 +73,8 @@ def make_batch(
     rows = [n for _, n in seqs]
     T = sum(rows)
     qkv = torch.randn(T, num_heads + 2 * kv_heads, head_dim, generator=gen)  # q is its first heads: strided rows
-    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # stored KV-head-major and viewed [blocks, block_size, kv_heads, head_dim], as kv_pool stores it
+    pool = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).permute(0, 2, 3, 1, 4)
     hidden_keys = None
     if num_hidden:
         hidden = []

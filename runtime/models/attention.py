@@ -15,9 +15,9 @@ their padding rows' K/V there too).
 Rejected or stale slots need no cleanup: a row never reads past its own position.
 
 On CUDA the Triton kernels of ``specdecode.kernels.paged_attention`` attend in place (one for a few
-rows per sequence, decode and verify chains; one for prefill chunks). On the CPU ``attend_gathered``
-gathers each group's keys into padded tensors for one SDPA call: measured faster on our 2-core CPU
-than attending in place sequence by sequence (see its docstring).
+rows per sequence, decode and verify chains; one for prefill chunks). On the CPU ``attend_on_cpu``
+streams decode and verify rows' keys through a cache-sized buffer, a span of blocks at a time, and
+gathers a prefill chunk's keys for one SDPA call (docs/runtime.md, "CPU attention").
 """
 from __future__ import annotations
 
@@ -33,9 +33,13 @@ from specdecode.kernels.paged_attention import MAX_DECODE_QUERY_LEN, paged_decod
 
 def kv_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V pools: ``num_blocks`` blocks and the null block (id ``num_blocks``)."""
-    shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    """One layer's K and V pools: ``num_blocks`` blocks and the null block (id ``num_blocks``).
+
+    Shaped ``[num_blocks + 1, block_size, kv_heads, head_dim]`` but stored KV-head-major (a view of
+    ``[kv_heads, num_blocks + 1, block_size, head_dim]``): the kernels read through strides, and the
+    CPU path gathers one KV head's blocks as contiguous ``[keys, head_dim]`` matrices."""
+    shape = (kv_heads, num_blocks + 1, block_size, head_dim)
+    return tuple(torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(2))
 
 
 @dataclass
@@ -105,38 +109,76 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, heads * head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    k_pool.flatten(0, 1).index_copy_(0, batch.slot_mapping, k)  # [slots, kv_heads, head_dim]: a view in any layout
+    v_pool.flatten(0, 1).index_copy_(0, batch.slot_mapping, v)
     if q.is_cuda:
         attend = paged_decode_attention if batch.max_query_len <= MAX_DECODE_QUERY_LEN else paged_prefill_attention
         out = attend(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, batch.query_start, batch.hidden_keys,
                      scale=scale, max_query_len=batch.max_query_len)
     else:
-        out = attend_gathered(q, k_pool, v_pool, batch, scale)
+        out = attend_on_cpu(q, k_pool, v_pool, batch, scale)
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def attend_gathered(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
-                    scale: float) -> torch.Tensor:  # q [T, heads, hd] → [T, heads, hd]
-    """The CPU path: per group, its sequences' keys gathered from their blocks into padded tensors
-    and one masked SDPA call. On a 2-core CPU this beats attending each sequence's blocks in place
-    (one flash call per sequence and layer, no KV copy): at batch 8 and 1k context the in-place
-    path took 1.27× as long per decode step, 2.3× with another process on the second core, the
-    cost being a thread barrier per small op (docs/runtime.md)."""
+def attend_on_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
+                  scale: float) -> torch.Tensor:  # q [T, heads, hd] → [T, heads, hd]
+    """The CPU path, group by group: decode rows and verify chains stream their keys through a
+    cache-sized buffer (``attend_streamed``); a prefill chunk, compute-bound, gathers its one
+    sequence's keys for a flash SDPA call (``attend_gathered``)."""
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_pool.shape[2]
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in batch.groups:
         bsz, q_len = group.token_index.shape
         # index_select, not advanced indexing: on CPU, x[idx] is a parallel TensorIterator op whose
         # thread sync costs milliseconds per call when another process holds a core.
-        qg = q.index_select(0, group.token_index.view(-1)).view(bsz, q_len, num_heads, head_dim).transpose(1, 2)
-        blocks = group.block_tables.reshape(-1)
-        kg = k_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv, K, hd]
-        vg = v_pool.index_select(0, blocks).view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scale,
-                                            enable_gqa=num_heads != kv_heads)  # [B, heads, Q, hd]
-        og = og.transpose(1, 2).reshape(bsz * q_len, num_heads, head_dim).index_select(0, group.valid_rows)
-        out.index_copy_(0, group.token_index.view(-1).index_select(0, group.valid_rows), og)
+        qg = q.index_select(0, group.token_index.view(-1)).view(bsz, q_len, num_heads, head_dim)
+        attend = attend_streamed if q_len <= MAX_DECODE_QUERY_LEN else attend_gathered
+        og = attend(qg, k_pool, v_pool, group, scale).reshape(bsz * q_len, num_heads, head_dim)
+        out.index_copy_(0, group.token_index.view(-1).index_select(0, group.valid_rows),
+                        og.index_select(0, group.valid_rows))
     return out
+
+
+STREAM_BLOCKS = 16  # blocks per sequence gathered at once: at batch 8, 3 KV heads × 64 fp32 dims, 786 KB (a core's L2)
+
+
+def attend_streamed(qg: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: SequenceGroup,
+                    scale: float) -> torch.Tensor:  # qg [B, Q, heads, hd] → [B, Q, heads, hd]
+    """Two passes over the group's blocks, ``STREAM_BLOCKS`` per sequence at a time, each gathered
+    into a small buffer that stays in cache: the scores (one matmul per KV head and sequence, its
+    GQA heads × rows against the keys), one masked softmax, then the weighted values accumulated.
+    A step reads each key once from memory, where gathering whole sequences wrote and re-read them:
+    at batch 8 and 1k context, 390 MB a step (docs/gpu.md)."""
+    bsz, q_len, num_heads, head_dim = qg.shape
+    kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
+    group_size = num_heads // kv_heads
+    rows = q_len * group_size  # per (KV head, sequence): its rows × its GQA heads
+    qk = qg.view(bsz, q_len, kv_heads, group_size, head_dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, bsz, rows, head_dim)
+    width = group.block_tables.shape[1]
+    spans = [group.block_tables[:, a : a + STREAM_BLOCKS] for a in range(0, width, STREAM_BLOCKS)]
+    scores = torch.cat([qk @ _key_blocks(k_pool, tables).transpose(-1, -2) for tables in spans], -1)  # [kv, B, rows, keys]
+    scores.view(kv_heads, bsz, q_len, group_size, -1).masked_fill_(~group.mask.view(1, bsz, q_len, 1, -1), float("-inf"))
+    weights = scores.mul_(scale).softmax(-1).nan_to_num_(0.0)  # a row that sees no key: zeros, as the kernels
+    out = qk.new_zeros(kv_heads * bsz, rows, head_dim)
+    for i, tables in enumerate(spans):
+        first = i * STREAM_BLOCKS * block_size
+        chunk = weights[..., first : first + tables.shape[1] * block_size].reshape(kv_heads * bsz, rows, -1)
+        out.baddbmm_(chunk, _key_blocks(v_pool, tables).view(kv_heads * bsz, -1, head_dim))
+    return out.view(kv_heads, bsz, q_len, group_size, head_dim).permute(1, 2, 0, 3, 4).reshape(bsz, q_len, num_heads, head_dim)
+
+
+def _key_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, B, n · block_size, head_dim]``: the blocks of ``tables [B, n]``, per KV head."""
+    by_head = pool.permute(2, 0, 1, 3)  # [kv_heads, blocks, block_size, head_dim]: contiguous as kv_pool stores it
+    bsz = tables.shape[0]
+    return by_head.index_select(1, tables.reshape(-1)).view(by_head.shape[0], bsz, -1, by_head.shape[3])
+
+
+def attend_gathered(qg: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: SequenceGroup,
+                    scale: float) -> torch.Tensor:  # qg [B, Q, heads, hd] → [B, Q, heads, hd]
+    """The group's keys gathered into padded tensors for one masked SDPA call."""
+    num_heads, kv_heads = qg.shape[2], k_pool.shape[2]
+    kg, vg = _key_blocks(k_pool, group.block_tables).transpose(0, 1), _key_blocks(v_pool, group.block_tables).transpose(0, 1)
+    og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=group.mask, scale=scale,
+                                        enable_gqa=num_heads != kv_heads)  # [B, heads, Q, hd]
+    return og.transpose(1, 2)
