@@ -12,6 +12,7 @@ import torch
 from test_kernels_attention import DECODE_BATCHES, PREFILL_BATCHES, Batch, make_batch, poisoned
 
 from specdecode.kernels.paged_attention import paged_attention_reference
+from specdecode.runtime.models import attention
 from specdecode.runtime.models.attention import AttentionBatch, attend_on_cpu
 
 BATCHES = {**DECODE_BATCHES, **PREFILL_BATCHES}
@@ -40,17 +41,22 @@ def contiguous(batch: Batch) -> Batch:
     return replace(batch, k_pool=batch.k_pool[permutation], v_pool=batch.v_pool[permutation], block_tables=tables)
 
 
+@pytest.mark.parametrize("stream_blocks", [2, 16], ids=["streamed", "gathered"])
 @pytest.mark.parametrize("name", list(BATCHES))
-def test_cpu_attention_equals_the_reference(name: str) -> None:
+def test_cpu_attention_equals_the_reference(name: str, stream_blocks: int, monkeypatch) -> None:
+    """Decode rows and verify chains streamed in spans of two blocks (or, with spans of 16, each
+    group gathered whole), prefill chunks gathered."""
+    monkeypatch.setattr(attention, "STREAM_BLOCKS", stream_blocks)
     for batch in (make_batch(7, **BATCHES[name]), contiguous(make_batch(7, **BATCHES[name]))):
         expected = paged_attention_reference(*batch.args(), **batch.kwargs())
         torch.testing.assert_close(cpu_attention(batch), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_slots_it_may_not_read_change_nothing() -> None:
+def test_slots_it_may_not_read_change_nothing(monkeypatch) -> None:
     """Garbage in the null block, unreached blocks, stale and hidden slots: the same output, bit for
     bit. Finite garbage: the CPU path gathers whole blocks and masks what it must not see, and what
     a model writes is finite (the kernels load none of it: NaN there too, test_kernels_attention)."""
+    monkeypatch.setattr(attention, "STREAM_BLOCKS", 2)  # the decode rows streamed
     batch = make_batch(11, **BATCHES["gqa 6/2 bs16 chunk over prefix"])
     bad = poisoned(batch)
     finite = [torch.where(pool.isfinite(), pool, torch.full_like(pool, 3e4)) for pool in (bad.k_pool, bad.v_pool)]
@@ -59,9 +65,11 @@ def test_slots_it_may_not_read_change_nothing() -> None:
     assert torch.equal(cpu_attention(bad), cpu_attention(batch))
 
 
-def test_a_decoding_sequences_table_with_a_verify_chain_and_hidden_keys() -> None:
+@pytest.mark.parametrize("stream_blocks", [3, 16], ids=["streamed", "gathered"])
+def test_a_decoding_sequences_table_with_a_verify_chain_and_hidden_keys(stream_blocks: int, monkeypatch) -> None:
     """A decoding sequence's table: its prompt's blocks consecutive, then blocks it took one at a
     time; beside a shorter table; a verify chain and hidden keys across both parts."""
+    monkeypatch.setattr(attention, "STREAM_BLOCKS", stream_blocks)
     batch = make_batch(5, [(150, 4), (100, 1)], num_hidden=2)
     tables = torch.tensor([[2, 3, 4, 5, 6, 7, 8, 9, 20, 30], [10, 11, 12, 13, 14, 15, 25, 0, 0, 0]],
                           dtype=batch.block_tables.dtype)
@@ -70,6 +78,15 @@ def test_a_decoding_sequences_table_with_a_verify_chain_and_hidden_keys() -> Non
     batch = replace(batch, block_tables=tables, k_pool=pools[0], v_pool=pools[1])
     expected = paged_attention_reference(*batch.args(), **batch.kwargs())
     torch.testing.assert_close(cpu_attention(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_that_sees_no_key_is_zero_when_streamed(monkeypatch) -> None:
+    monkeypatch.setattr(attention, "STREAM_BLOCKS", 1)
+    batch = make_batch(5, [(3, 3), (20, 2)])
+    batch = replace(batch, hidden_keys=torch.tensor([[0, -1], [4, 19]]))  # row 0 of sequence 0 sees nothing
+    out = cpu_attention(batch)
+    assert (out[0] == 0).all() and out.isfinite().all()
+    torch.testing.assert_close(out, paged_attention_reference(*batch.args(), **batch.kwargs()), rtol=1e-5, atol=1e-5)
 
 
 def test_the_model_never_reads_the_null_block_or_blocks_outside_its_tables(tiny) -> None:

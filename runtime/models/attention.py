@@ -75,6 +75,7 @@ class SequenceGroup:
     valid_rows: torch.Tensor  # [N] long: which of the B·Q padded rows are real
     block_tables: torch.Tensor  # [B, M] long: the blocks its keys lie in (padding → the null block)
     mask: torch.Tensor  # [B, 1, Q, M·block_size] bool: True = attend
+    any_hidden: bool  # hidden keys mask some slots: a real row may see no key at all
 
 
 def _group(batch: AttentionBatch, sequences: list[int], starts: list[int], lens: list[int],
@@ -96,7 +97,7 @@ def _group(batch: AttentionBatch, sequences: list[int], starts: list[int], lens:
     return SequenceGroup(token_index=torch.where(valid, first + offsets[None, :], 0),
                          valid_rows=valid.reshape(-1).nonzero()[:, 0],
                          block_tables=batch.block_tables.index_select(0, index)[:, :width],
-                         mask=mask.unsqueeze(1))
+                         mask=mask.unsqueeze(1), any_hidden=batch.hidden_keys is not None)
 
 
 def paged_attention(
@@ -122,9 +123,10 @@ def paged_attention(
 
 def attend_on_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
                   scale: float) -> torch.Tensor:  # q [T, heads, hd] → [T, heads, hd]
-    """The CPU path, group by group: decode rows and verify chains stream their keys through a
-    cache-sized buffer (``attend_streamed``); a prefill chunk, compute-bound, gathers its one
-    sequence's keys for a flash SDPA call (``attend_gathered``)."""
+    """The CPU path, group by group: decode rows and verify chains over more than a span of blocks
+    stream their keys through a cache-sized buffer (``attend_streamed``); a prefill chunk
+    (compute-bound), or a group whose keys fit one span anyway, is gathered whole for one flash SDPA
+    call (``attend_gathered``: fewer ops, the same memory traffic)."""
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in batch.groups:
@@ -132,7 +134,8 @@ def attend_on_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         # index_select, not advanced indexing: on CPU, x[idx] is a parallel TensorIterator op whose
         # thread sync costs milliseconds per call when another process holds a core.
         qg = q.index_select(0, group.token_index.view(-1)).view(bsz, q_len, num_heads, head_dim)
-        attend = attend_streamed if q_len <= MAX_DECODE_QUERY_LEN else attend_gathered
+        stream = q_len <= MAX_DECODE_QUERY_LEN and group.block_tables.shape[1] > STREAM_BLOCKS
+        attend = attend_streamed if stream else attend_gathered
         og = attend(qg, k_pool, v_pool, group, scale).reshape(bsz * q_len, num_heads, head_dim)
         out.index_copy_(0, group.token_index.view(-1).index_select(0, group.valid_rows),
                         og.index_select(0, group.valid_rows))
@@ -153,17 +156,21 @@ def attend_streamed(qg: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     group_size = num_heads // kv_heads
     rows = q_len * group_size  # per (KV head, sequence): its rows × its GQA heads
-    qk = qg.view(bsz, q_len, kv_heads, group_size, head_dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, bsz, rows, head_dim)
+    by_head = qg.view(bsz, q_len, kv_heads, group_size, head_dim).permute(2, 0, 1, 3, 4)
+    qk = by_head.reshape(kv_heads, bsz, rows, head_dim) * scale  # scaled here: fewer elements than the scores
     width = group.block_tables.shape[1]
     spans = [group.block_tables[:, a : a + STREAM_BLOCKS] for a in range(0, width, STREAM_BLOCKS)]
     scores = torch.cat([qk @ _key_blocks(k_pool, tables).transpose(-1, -2) for tables in spans], -1)  # [kv, B, rows, keys]
     scores.view(kv_heads, bsz, q_len, group_size, -1).masked_fill_(~group.mask.view(1, bsz, q_len, 1, -1), float("-inf"))
-    weights = scores.mul_(scale).softmax(-1).nan_to_num_(0.0)  # a row that sees no key: zeros, as the kernels
-    out = qk.new_zeros(kv_heads * bsz, rows, head_dim)
+    weights = scores.softmax(-1)
+    if group.any_hidden:
+        weights.nan_to_num_(0.0)  # a row whose keys are all hidden sees none: zeros, as the kernels give
+    out = None
     for i, tables in enumerate(spans):
         first = i * STREAM_BLOCKS * block_size
         chunk = weights[..., first : first + tables.shape[1] * block_size].reshape(kv_heads * bsz, rows, -1)
-        out.baddbmm_(chunk, _key_blocks(v_pool, tables).view(kv_heads * bsz, -1, head_dim))
+        values = _key_blocks(v_pool, tables).view(kv_heads * bsz, -1, head_dim)
+        out = torch.bmm(chunk, values) if out is None else out.baddbmm_(chunk, values)
     return out.view(kv_heads, bsz, q_len, group_size, head_dim).permute(1, 2, 0, 3, 4).reshape(bsz, q_len, num_heads, head_dim)
 
 
