@@ -193,3 +193,57 @@ def test_drafts_made_without_the_grammar_are_cut_only_where_that_keeps_the_outpu
     engine.execution.launch = launched
     run(engine, prompt, [REQUESTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=1, structured=JSON)])
     assert scored[False] > 0 and scored[True] == 0
+
+
+@pytest.mark.parametrize("proposer", ["draft", "mtp"])
+def test_a_pipelines_last_stage_drafts_under_mirrors_of_the_grammars(sharp_target_dir, sharp_target, sharp_draft_dir,
+                                                                     sharp_mtp_dir, make_engine, prompt, proposer):
+    """Two stages in one process (``pipeline_harness``): the draft model or MTP head on the last stage
+    drafts each constrained sequence's forced tokens first and then draws under a mirror of its
+    grammar, so none of its drafts is one the grammar forbids; the forced drafts reach rank 0 and
+    are accepted (a random MTP head's own drafts hardly ever are); greedy outputs equal no-spec ones."""
+    from pipeline_harness import in_process_pipeline_engine
+
+    from specdecode.runtime.config import (CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig,
+                                           SpeculativeConfig)
+
+    model, tok = sharp_target
+    requests = [REQUESTS[0], REQUESTS[1], REQUESTS[3]]  # greedy: JSON, words, unconstrained
+    expected = run(make_engine(model, tok), prompt, requests)
+    spec = SpeculativeConfig(method=proposer, num_speculative_tokens=4, max_grammar_drafts=4,
+                             draft_model=sharp_draft_dir if proposer == "draft" else None,
+                             mtp_path=sharp_mtp_dir if proposer == "mtp" else None,
+                             gates=["mtp-pipeline-parallel"] if proposer == "mtp" else [])
+    cfg = EngineConfig(load=LoadConfig(model=str(sharp_target_dir), weight_cache_dir=None, device="cpu", dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=512), scheduler=SchedulerConfig(max_num_batched_tokens=512),
+                       speculative=spec, parallel=ParallelConfig(pipeline_parallel_size=2))
+    engine, transport = in_process_pipeline_engine(cfg)
+    tail = transport.workers[-1].tail
+    proposed = []  # per constrained sequence and step: (forced, drafts, how many of them its grammar allows)
+    propose = tail.proposer.propose
+
+    def watched(seqs, caps, guides=None):
+        grammars = [None if seq.grammar is None else seq.grammar.copy() for seq in seqs]
+        proposal = propose(seqs, caps, guides)
+        for i, (grammar, drafts) in enumerate(zip(grammars, proposal.token_ids)):
+            if grammar is not None:
+                proposed.append((guides.forced(i), drafts, grammar.valid_prefix(drafts)))
+        return proposal
+
+    tail.proposer.propose = watched
+    try:
+        for i, p in enumerate(requests):
+            engine.add_request(str(i), prompt, p)
+        out, accepted = {str(i): [] for i in range(len(requests))}, {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
+                if o.finished:
+                    accepted[o.request_id] = o.spec.num_accepted_tokens
+    finally:
+        engine.shutdown()
+    assert [[out[str(i)]] for i in range(len(requests))] == expected
+    assert any(forced for forced, _, _ in proposed), "no forced token was drafted on the last stage"
+    for forced, drafts, valid in proposed:
+        assert drafts[: len(forced)] == forced and valid == len(drafts), (forced, drafts)
+    assert accepted["0"] > 0 and accepted["1"] > 0

@@ -250,7 +250,8 @@ def expected_grammar(target, prompts, make_engine) -> list[list[int]]:
 
 @pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
 def test_greedy_output_under_a_grammar_equals_tp1_pp1(layout, layouts, expected, expected_grammar):
-    """The last stage verifies with the masks rank 0 computed from its grammar states (it has none)."""
+    """The last stage verifies with the masks rank 0 computed from its grammar states (its own mirrors
+    of the grammars only guide the draft model's and MTP heads' drafts)."""
     assert all(want != free for want, free in zip(expected_grammar, expected))  # the grammar changes every output
     for method, result in layouts[layout]["results"].items():
         for overlap, run in result["runs"].items():

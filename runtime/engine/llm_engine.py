@@ -53,7 +53,7 @@ from specdecode.runtime.engine.sequence import (
 )
 from specdecode.runtime.engine.verifier import Verdict, Verifier
 from specdecode.runtime.proposers import Proposer, build_proposer
-from specdecode.runtime.proposers.drafting import DraftGuide, Guides
+from specdecode.runtime.proposers.drafting import Guides, guides_for
 from specdecode.runtime.models.decoder import DecoderLM
 
 if TYPE_CHECKING:
@@ -374,10 +374,8 @@ class LLMEngine:
         to ``max_grammar_drafts`` and its draft cap, and its grammar for a model-based proposer."""
         if not self.speculative.grammar_drafts or not self.proposer.follows_guides:
             return None
-        cap = self.speculative.max_grammar_drafts
-        per_seq = [None if (g := item.seq.grammar) is None
-                   else DraftGuide(g.copy(), g.forced_tokens(min(cap, item.num_draft))) for item in asked]
-        return Guides(self.grammars, per_seq) if any(per_seq) else None
+        return guides_for(self.grammars, [item.seq for item in asked], [item.num_draft for item in asked],
+                          self.speculative.max_grammar_drafts)
 
     def _grammar_drafts(self, seq: Sequence, tokens: list[int], drawn: bool) -> list[int]:
         """A constrained sequence scores its drafts only up to the first one its grammar forbids,

@@ -30,7 +30,10 @@ Rank 0 advances every sequence's computed-token count only from that message (``
 and the positions and slots of the next step are derived from it, then broadcast: no stage keeps
 a count of its own, so none can drift after a rejection. The verifier keeps a mirror of each
 sequence (tokens, count, block table) updated from the plans and its own verdicts; its proposer
-runs on those.
+runs on those. With grammar-aware drafting a constrained mirror holds its own copy of the grammar,
+compiled from the request and advanced through the same verdicts, so the draft model or MTP heads
+draft the forced tokens first and draw under the mask as they do in one process (the masks that
+verification applies still come from rank 0).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import torch
 
 from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeMethod
 from specdecode.runtime.engine.execution import Execution, Pending, StepResult
+from specdecode.runtime.engine.grammar import GrammarCompiler
 from specdecode.runtime.engine.llm_engine import draft_cap
 from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
 from specdecode.runtime.engine.sampler import SamplerRow
@@ -54,7 +58,7 @@ from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.parallel.step_channel import TensorParallelBroken
 from specdecode.runtime.parallel.transport import PipelineTransport
 from specdecode.runtime.proposers import Proposal, Proposer, build_proposer
-from specdecode.runtime.proposers.drafting import Guides
+from specdecode.runtime.proposers.drafting import Guides, guides_for
 
 PAD = -1
 
@@ -174,7 +178,9 @@ class RelayedDrafts(Proposer):
     """Rank 0's face of a proposer on the verifier: the drafts that came with the last verdicts,
     valid for the sequence length they were made for."""
 
-    follows_guides = False  # the verifier holds no grammar: its drafts are cut by rank 0 where that is safe
+    # rank 0 builds no guides for them: the verifier drafts under mirrors of the grammars itself
+    # (PipelineTail), or, with grammar_drafts off, not at all and rank 0 cuts them where that is safe
+    follows_guides = False
 
     def __init__(self) -> None:
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id → (len(seq) they follow, drafts)
@@ -371,6 +377,10 @@ class PipelineTail:
                 spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
                 weight_cache_dir=cfg.load.weight_cache_dir, block_size=cfg.cache.block_size, num_blocks=num_blocks,
                 max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model)
+        # grammar-aware drafting on this rank: mirrors of the constrained sequences' grammars
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size) \
+            if self.proposer is not None and spec.grammar_drafts else None
+        self.max_forced = spec.max_grammar_drafts
         self.seqs: dict[int, Sequence] = {}
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → the distributions its relayed drafts came from
 
@@ -395,6 +405,7 @@ class PipelineTail:
         for item, verdict in zip(deciding, verdicts):
             item.seq.token_ids += verdict.token_ids
             item.seq.num_computed_tokens += verdict.num_accepted
+            self._advance_grammar(item.seq, verdict.token_ids)
         drafts = self._next_drafts(scheduled, hidden, [item.seq for item in deciding])
         message = VerdictMessage([v.token_ids for v in verdicts], [v.num_accepted for v in verdicts], drafts)
         width = max((item.num_draft for item in deciding), default=0) + 1
@@ -405,8 +416,12 @@ class PipelineTail:
     def _mirror(self, plan: TailPlan) -> list[ScheduledSeq]:
         """Apply rank 0's plan to the mirrors; the step's items as ``ScheduledSeq`` over them."""
         for intro in plan.new:
-            self.seqs[intro.seq_id] = Sequence(intro.seq_id, "", 0, list(intro.token_ids), intro.num_prompt_tokens,
-                                               intro.params, 0.0, intro.seed, status=SequenceStatus.RUNNING)
+            seq = Sequence(intro.seq_id, "", 0, list(intro.token_ids), intro.num_prompt_tokens, intro.params, 0.0,
+                           intro.seed, status=SequenceStatus.RUNNING)
+            if self.grammars is not None and intro.params.structured is not None:
+                seq.grammar = self.grammars.grammar(intro.params.structured)
+                self._advance_grammar(seq, seq.output_token_ids)
+            self.seqs[intro.seq_id] = seq
         for seq_id in plan.gone:
             seq = self.seqs.pop(seq_id)
             self.draft_probs.pop(seq_id, None)
@@ -428,6 +443,17 @@ class PipelineTail:
             scheduled.append(item)
         return scheduled
 
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tokens: list[int]) -> None:
+        """Keep a mirror's grammar where rank 0's is, through the tokens it emitted. A token the
+        grammar refuses (a stop token or EOS past the end) finishes the sequence on rank 0: until
+        the plan says it is gone, the mirror drafts for it without a grammar, and rank 0 drops them."""
+        for token in tokens:
+            if seq.grammar is None:
+                return
+            if not seq.grammar.advance(token):
+                seq.grammar = None
+
     def _next_drafts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, deciding: list[Sequence]) -> list[list[int]]:
         """The proposer's drafts for the step after this one, for every sequence that decided."""
         if self.proposer is None:
@@ -437,7 +463,9 @@ class PipelineTail:
         asked = [i for i, cap in enumerate(caps) if cap > 0]
         drafts: list[list[int]] = [[] for _ in deciding]
         if asked:
-            proposal = self.proposer.propose([deciding[i] for i in asked], [caps[i] for i in asked])
+            seqs, seq_caps = [deciding[i] for i in asked], [caps[i] for i in asked]
+            guides = guides_for(self.grammars, seqs, seq_caps, self.max_forced) if self.grammars is not None else None
+            proposal = self.proposer.propose(seqs, seq_caps, guides)
             for j, i in enumerate(asked):
                 drafts[i] = proposal.token_ids[j]
                 if proposal.probs is not None:

@@ -51,6 +51,14 @@ class Guides:
         return guide.forced if guide is not None else []
 
 
+def guides_for(compiler: GrammarCompiler, seqs: list[Sequence], caps: list[int], max_forced: int) -> Guides | None:
+    """Each constrained sequence's guide (a copy of its grammar, and the tokens it forces next, up to
+    ``max_forced`` and its cap); None when none of ``seqs`` is constrained."""
+    per_seq = [None if (g := seq.grammar) is None else DraftGuide(g.copy(), g.forced_tokens(min(max_forced, cap)))
+               for seq, cap in zip(seqs, caps)]
+    return Guides(compiler, per_seq) if any(per_seq) else None
+
+
 def choose_drafts(
     logits: torch.Tensor,  # [N, V'] fp32: one row per sequence (V' may be a reduced draft vocabulary)
     seqs: list[Sequence],
