@@ -163,7 +163,8 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
     }
 
 
-MEDIANS = ("ms_per_step", "tokens_per_s", "rows_per_step", "attention_copied_bytes_per_step")
+MEDIANS = ("ms_per_step", "tokens_per_s", "rows_per_step", "attention_copied_bytes_per_step",
+           "attention_largest_copy_bytes")
 
 
 def _git_state(root: Path) -> dict[str, object]:
@@ -183,7 +184,8 @@ def format_table(report: dict) -> str:
             + ("; ratio = median of per-round this ÷ baseline ms/step" if both else ""),
             f"attention bytes copied = {report['attention_bytes_counted']}"]
     cols = ["case", "rows/step"] + [f"{n} ms/step" for n in names] + (["ratio"] if both else []) \
-        + [f"{n} tok/s" for n in names] + [f"{n} attn copied/step" for n in names]
+        + [f"{n} tok/s" for n in names] + [f"{n} attn copied/step" for n in names] \
+        + [f"{n} largest copy" for n in names]
     lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in report["cases"]:
         cells = [row["case"], " / ".join(f"{row[n]['rows_per_step']:.1f}" for n in names)]
@@ -191,6 +193,7 @@ def format_table(report: dict) -> str:
         cells += [f"{row['ratio_ms_per_step']:.2f}×"] if both else []
         cells += [f"{row[n]['tokens_per_s']:.1f}" for n in names]
         cells += [_bytes(row[n]["attention_copied_bytes_per_step"]) for n in names]
+        cells += [_bytes(row[n]["attention_largest_copy_bytes"]) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -284,7 +287,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
     _sync(loaded.device)
     seconds = time.perf_counter() - start
     emitted, drafts = sum(s.num_output_tokens for s in running) - emitted, _draft_tokens(engine) - drafts
-    copied, by_op = _attention_copies(engine)
+    copied, largest, by_op = _attention_copies(engine)
     if len(running) != case.batch or any(s.num_output_tokens >= max_tokens for s in running):
         raise RuntimeError(f"{case.label}: a sequence stopped while measured")
     del engine
@@ -293,7 +296,8 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
         torch.cuda.empty_cache()
     return {**case.__dict__, "ms_per_step": 1000 * seconds / steps, "tokens_per_s": emitted / seconds,
             "rows_per_step": case.batch + drafts / steps, "context_at_start": context_at_start,
-            "attention_copied_bytes_per_step": copied, "attention_copied_bytes_by_op": by_op}
+            "attention_copied_bytes_per_step": copied, "attention_largest_copy_bytes": largest,
+            "attention_copied_bytes_by_op": by_op}
 
 
 def _engine(loaded, case: Case, steps: int):
@@ -338,9 +342,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _attention_copies(engine) -> tuple[float, dict[str, float]]:
+def _attention_copies(engine) -> tuple[float, float, dict[str, float]]:
     """Bytes per step that ``COPY_OPS`` allocate (net of what they free, host and device) when
-    called inside ``paged_attention``, over ``PROFILE_STEPS`` steps; by op name."""
+    called inside ``paged_attention``, over ``PROFILE_STEPS`` steps; the most one call allocated
+    (a whole batch's KV gathered at once, or a buffer that stays in cache); by op name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
@@ -350,15 +355,17 @@ def _attention_copies(engine) -> tuple[float, dict[str, float]]:
     if not scopes:
         raise RuntimeError(f"the profiler saw no call of {SCOPE} in models/attention.py")
     by_op: dict[str, float] = {}
+    largest = 0.0
     stack = [child for scope in scopes for child in scope.cpu_children]
     while stack:
         event = stack.pop()
         if event.name in COPY_OPS:
             allocated = event.cpu_memory_usage + getattr(event, "device_memory_usage", 0)
             by_op[event.name] = by_op.get(event.name, 0.0) + max(0, allocated) / PROFILE_STEPS
+            largest = max(largest, allocated)
         else:
             stack.extend(event.cpu_children)
-    return sum(by_op.values()), by_op
+    return sum(by_op.values()), largest, by_op
 
 
 if __name__ == "__main__":

@@ -158,7 +158,8 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     assert (case["case"], case["batch"], case["context"], case["k"]) == ("B=1 L=64 K=0", 1, 64, 0)
     (measured,) = case["this"]["rounds"]
     assert measured["ms_per_step"] > 0 and measured["tokens_per_s"] > 0 and measured["rows_per_step"] == 1.0
-    assert measured["attention_copied_bytes_per_step"] >= 0 and measured["context_at_start"] >= 65
+    assert measured["attention_copied_bytes_per_step"] >= 0 and measured["attention_largest_copy_bytes"] > 0
+    assert measured["context_at_start"] >= 65
     assert "ratio_ms_per_step" not in case
     assert next(out.glob("step-*.png")).read_bytes().startswith(b"\x89PNG")
     assert "| B=1 L=64 K=0 | 1.0 |" in capsys.readouterr().out
@@ -166,7 +167,8 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     def worker(ms: float, copied: float) -> dict:  # one worker run's result, as the worker writes it
         meta = {k: data["checkouts"]["this"][k] for k in ("device", "dtype", "torch", "attention_module")}
         return {**meta, "device_name": "CPU",
-                "cases": [{**measured, "ms_per_step": ms, "attention_copied_bytes_per_step": copied}]}
+                "cases": [{**measured, "ms_per_step": ms, "attention_copied_bytes_per_step": copied,
+                           "attention_largest_copy_bytes": copied / 40}]}
 
     checkouts = [step.Checkout(step.BASELINE, "python", tmp_path), step.Checkout(step.THIS, "python", tmp_path)]
     rounds = {step.BASELINE: [worker(200.0, 4e8), worker(400.0, 4e8)],
@@ -175,4 +177,4 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     report = step.build_report(args, checkouts, [step.Case(1, 64, 0)], rounds)
     assert report["cases"][0]["ratio_ms_per_step"] == pytest.approx((0.5 + 0.825) / 2)  # not 215 / 300
     assert "| B=1 L=64 K=0 | 1.0 / 1.0 | 300.0 | 215.0 | 0.66× |" in step.format_table(report)
-    assert step.format_table(report).split("\n")[-1].endswith("| 400.0 MB | 0 B |")
+    assert step.format_table(report).split("\n")[-1].endswith("| 400.0 MB | 0 B | 10.0 MB | 0 B |")
