@@ -1,8 +1,8 @@
 """Kubernetes' own schemas for what a SpecDecodeDeployment passes through to its pods.
 
-``spec.pod`` entries (tolerations, env, volumes, volumeMounts, affinity) go into every pod as
-written, so admission checks each against its Kubernetes definition instead of letting the API
-server refuse the child later: kubernetes-validate's strict JSON schemas (generated from the API
+``spec.pod`` entries (tolerations, env, volumes, volumeMounts, affinity, topologySpreadConstraints,
+securityContext, containerSecurityContext) go into every pod as written, so admission checks each
+against its Kubernetes definition instead of letting the API server refuse the child later: kubernetes-validate's strict JSON schemas (generated from the API
 server's OpenAPI document; unknown fields are refused), of the newest Kubernetes it bundles, so
 that no cluster's field is refused. A field the cluster is too old for is still refused by its
 API server when the operator writes the child.
@@ -53,6 +53,19 @@ ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     # common-definitions/label-selector: matchExpressions.operator
     ("io.k8s.apimachinery.pkg.apis.meta.v1.LabelSelectorRequirement", "operator"): ("In", "NotIn", "Exists",
                                                                                     "DoesNotExist"),
+    # workload-resources/pod-v1 § Scheduling: topologySpreadConstraints.whenUnsatisfiable, nodeAffinityPolicy,
+    # nodeTaintsPolicy
+    (CORE + "TopologySpreadConstraint", "whenUnsatisfiable"): ("DoNotSchedule", "ScheduleAnyway"),
+    (CORE + "TopologySpreadConstraint", "nodeAffinityPolicy"): ("Honor", "Ignore"),
+    (CORE + "TopologySpreadConstraint", "nodeTaintsPolicy"): ("Honor", "Ignore"),
+    # workload-resources/pod-v1 § Security context: securityContext.fsGroupChangePolicy, seLinuxChangePolicy,
+    # supplementalGroupsPolicy, seccompProfile.type, appArmorProfile.type; the container's procMount
+    (CORE + "PodSecurityContext", "fsGroupChangePolicy"): ("OnRootMismatch", "Always"),
+    (CORE + "PodSecurityContext", "seLinuxChangePolicy"): ("MountOption", "Recursive"),
+    (CORE + "PodSecurityContext", "supplementalGroupsPolicy"): ("Merge", "Strict"),
+    (CORE + "SeccompProfile", "type"): ("RuntimeDefault", "Localhost", "Unconfined"),
+    (CORE + "AppArmorProfile", "type"): ("RuntimeDefault", "Localhost", "Unconfined"),
+    (CORE + "SecurityContext", "procMount"): ("Default", "Unmasked"),
 }
 Path = tuple[str | int, ...]
 

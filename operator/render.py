@@ -35,6 +35,7 @@ from typing import Any
 
 from specdecode.operator import names
 from specdecode.operator.resolve import Resolved
+from specdecode.operator.security import container_security_context, pod_security_context
 from specdecode.operator.spec import ModelLocation, ModelScheme
 from specdecode.runtime.config import ServerConfig
 
@@ -183,6 +184,7 @@ def _source_volume(r: Resolved, location: ModelLocation, source: Source) -> tupl
             "command": ["python", "-c", FETCH_SCRIPT, location.path, local_path(location, source)],
             "volumeMounts": [{"name": source.volume, "mountPath": source.mount}],
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+            "securityContext": container_security_context(r.spec.pod),
             **({"env": list(r.spec.pod.env)} if r.spec.pod.env else {}),  # HF_TOKEN, HF_ENDPOINT (a mirror)
         }
         return [{"name": source.volume, **backing}], [mount], [fetch]
@@ -234,11 +236,13 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "livenessProbe": _http_probe("/health", period, failures),
         "lifecycle": {"preStop": _pre_stop()},
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "securityContext": container_security_context(pod),
     }
     pod_spec: Obj = {
         **({"initContainers": init} if init else {}),
         "containers": [{k: v for k, v in container.items() if v != []}],
         "terminationGracePeriodSeconds": termination_grace_seconds(r),
+        "securityContext": pod_security_context(pod),
         "volumes": [
             {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shm_size)}},
             *volumes,
@@ -249,9 +253,12 @@ def pod_template(r: Resolved, *, leader_worker_set: bool = False) -> Obj:
         "nodeSelector": dict(pod.node_selector),
         "tolerations": list(pod.tolerations),
         "affinity": pod.affinity,
+        "topologySpreadConstraints": list(pod.topology_spread_constraints),
         "imagePullSecrets": [ref.model_dump() for ref in pod.image_pull_secrets],
         "serviceAccountName": pod.service_account_name,
         "priorityClassName": pod.priority_class_name,
+        "runtimeClassName": pod.runtime_class_name,
+        "schedulerName": pod.scheduler_name,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
     metadata: Obj = {"labels": {**pod.labels, **names.runtime_pod_labels(r.name)}}
@@ -341,10 +348,13 @@ def build_group_headless_service(r: Resolved, rev: str, group: int) -> Obj:
 def build_leader_worker_set(r: Resolved, rev: str, replicas: int) -> Obj:
     labels = names.revision_labels(r.name, rev)
     address = {"name": names.ENV_MASTER_ADDR, "value": f"$({names.ENV_LWS_LEADER_ADDRESS})"}
+    metadata = _workload_metadata(r, names.workload_name(r.name, rev), labels)
+    if r.spec.pod.leader_worker_set_annotations:  # e.g. exclusive-topology: LWS reads its placement here
+        metadata["annotations"] = dict(r.spec.pod.leader_worker_set_annotations)
     return {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
         "kind": "LeaderWorkerSet",
-        "metadata": _workload_metadata(r, names.workload_name(r.name, rev), labels),
+        "metadata": metadata,
         "spec": {
             "replicas": replicas,
             "startupPolicy": "LeaderCreated",

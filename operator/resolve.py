@@ -24,6 +24,8 @@ to change it to. Decisions:
   anything else is refused. 0 runs on CPU with the same pod layout.
 - The parallel group (tensor, pipeline, GPUs per pod) is immutable after creation, as in KServe:
   a running group cannot change its rendezvous shape; create a new resource instead.
+- Runtime pods' resources get the defaults of ``resources.py`` filled here (cpu and memory
+  requests, /dev/shm by ranks); a memory limit too small beside /dev/shm is allowed with a warning.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from pydantic import ValidationError
 
 from specdecode.operator import names
 from specdecode.operator.kubeschema import UNKNOWN_FIELD, SchemaViolations
+from specdecode.operator.resources import memory_limit_warnings, with_defaults
 from specdecode.operator.spec import (
     SOURCE_URI_PATTERN,
     IntOrString,
@@ -78,6 +81,8 @@ _PATTERN_HINTS = {
     "interval": "must be a duration such as 30s, 5m or 1h30m",
     "window": "must be a duration such as 30s, 5m or 1h30m",
     "url": "must be an http:// or https:// address",
+    **{field: "must be a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253 characters"
+       for field in ("priorityClassName", "runtimeClassName", "schedulerName")},
 }
 
 
@@ -200,11 +205,11 @@ def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Re
     errors += _rule_errors(spec, name)
     if old is not None and layout is not None:
         errors += _immutable_errors(old, layout)
-    warnings = tuple(_warnings(spec, name))
-    if errors or layout is None:
+    filled = _filled(spec, layout) if layout is not None else None
+    warnings = (*_warnings(spec, name), *(memory_limit_warnings(filled.resources) if filled else ()))
+    if errors or filled is None or layout is None:
         return Resolution(None, tuple(errors), warnings, name)
-    resolved = Resolved(name, namespace, _filled(spec, layout), layout, warnings)
-    return Resolution(resolved, (), warnings, name)
+    return Resolution(Resolved(name, namespace, filled, layout, warnings), (), warnings, name)
 
 
 # -- identity and schema ------------------------------------------------------------------------
@@ -492,9 +497,10 @@ def _warnings(spec: SpecDecodeDeploymentSpec, name: str) -> Iterable[str]:
 
 def _filled(spec: SpecDecodeDeploymentSpec, layout: Layout) -> SpecDecodeDeploymentSpec:
     gates = tuple(sorted({*spec.gates, *spec.speculative.gates}))
+    resources = with_defaults(spec.resources, layout.ranks_per_pod)
     return spec.model_copy(update={
         "gates": gates,
         "speculative": spec.speculative.model_copy(update={"gates": gates}),
-        "resources": spec.resources.model_copy(update={"gpus_per_pod": layout.gpus_per_pod}),
+        "resources": resources.model_copy(update={"gpus_per_pod": layout.gpus_per_pod}),
     })
 

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 from specdecode.operator import names
 from specdecode.operator.kubeschema import check_quantity, kubernetes_object
+from specdecode.operator.resources import DEFAULT_REQUESTS, SHM_BASE_GIB, SHM_PER_RANK_GIB
 from specdecode.runtime.config import KNOWN_GATES, Shared, SpeculativeConfig
 
 # int-or-string (Kubernetes IntOrString / Quantity): the CRD generator turns this union into
@@ -30,6 +31,12 @@ Affinity = kubernetes_object("Affinity")
 EnvVar = kubernetes_object("EnvVar")
 Volume = kubernetes_object("Volume")
 VolumeMount = kubernetes_object("VolumeMount")
+PodSecurityContext = kubernetes_object("PodSecurityContext")
+SecurityContext = kubernetes_object("SecurityContext")
+TopologySpreadConstraint = kubernetes_object("TopologySpreadConstraint")
+# What the API server validates as a DNS-1123 subdomain: runtime class, scheduler and priority class names.
+DnsSubdomain = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                                    max_length=253)]
 # Go-style durations as kubectl and Argo Rollouts write them: 30s, 5m, 1h30m.
 Duration = Annotated[str, Field(pattern=r"^([0-9]+(ms|s|m|h))+$")]
 Gate = Literal[tuple(sorted(KNOWN_GATES))]  # type: ignore[valid-type] - the enum follows KNOWN_GATES
@@ -104,9 +111,17 @@ class Resources(Shared):
         "A divisor of tensor spreads one stage over several pods; 0 runs on CPU",
     )
     gpu_resource_name: str = Field("nvidia.com/gpu", description="the extended resource GPUs are requested as")
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="extra container requests (cpu, memory)")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="extra container limits (cpu, memory)")
-    shm_size: Quantity = Field("1Gi", description="size of the /dev/shm memory volume")
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="container requests; default " + " and ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items())
+        + ", each unless given here or limited (a limit alone is also the request)",
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="container limits (cpu, memory); none by default: /dev/shm counts toward a "
+        "memory limit")
+    shm_size: Quantity | None = Field(
+        None, description=f"size of the /dev/shm memory volume; default {SHM_BASE_GIB}Gi + {SHM_PER_RANK_GIB}Gi per "
+        "rank in the pod")
 
 
 # -- rollout ------------------------------------------------------------------------------------
@@ -217,11 +232,21 @@ class PodOverrides(Shared):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     affinity: Affinity | None = None
+    topology_spread_constraints: tuple[TopologySpreadConstraint, ...] = ()
     image_pull_secrets: tuple[LocalObjectReference, ...] = ()
     service_account_name: str | None = None
-    priority_class_name: str | None = None
+    priority_class_name: DnsSubdomain | None = None
+    runtime_class_name: DnsSubdomain | None = Field(None, description="e.g. nvidia, where GPUs need that runtime")
+    scheduler_name: DnsSubdomain | None = Field(None, description="a scheduler other than the default one")
+    security_context: PodSecurityContext | None = Field(
+        None, description="the pod's securityContext, merged key by key over the operator's (restricted Pod Security)")
+    container_security_context: SecurityContext | None = Field(
+        None, description="every container's securityContext, merged key by key over the operator's")
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+    leader_worker_set_annotations: dict[str, str] = Field(
+        default_factory=dict, description="on the LeaderWorkerSet itself (multi-pod layouts), e.g. "
+        "leaderworkerset.sigs.k8s.io/exclusive-topology")
     env: tuple[EnvVar, ...] = Field((), description="added to the runtime container's environment")
     volumes: tuple[Volume, ...] = ()
     volume_mounts: tuple[VolumeMount, ...] = Field((), description="mounted into the runtime container")

@@ -40,6 +40,7 @@ ITEM = "."  # the path element for owning a list item itself
 LIST_KEYS: dict[str, tuple[str, ...]] = {
     "containers": ("name",), "initContainers": ("name",), "env": ("name",), "volumes": ("name",),
     "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",), "ownerReferences": ("uid",),
+    "topologySpreadConstraints": ("topologyKey", "whenUnsatisfiable"),
 }
 # Fields no manager owns: identity and bookkeeping the server keeps itself.
 UNOWNED_TOP = frozenset({"apiVersion", "kind", "status"})

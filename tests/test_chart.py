@@ -21,6 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
+from pod_security import CONTROLS
 
 from specdecode.operator import crd, names
 from specdecode.operator.render import render as render_runtime
@@ -149,6 +150,14 @@ def test_operator_runs_the_contracted_command_hardened(rendered):
     assert security["capabilities"]["drop"] == ["ALL"]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert pod["serviceAccountName"] == only(objs, "ServiceAccount")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_operator_pod_holds_the_restricted_pod_security_control(rendered, control):
+    """The operator's own pod, with every value set, meets the restricted profile too (the control
+    as tests/pod_security.py names it)."""
+    for values_name, objs in rendered.items():
+        assert CONTROLS[control](only(objs, "StatefulSet")["spec"]["template"]) == [], values_name
 
 
 def test_two_replicas_peer_with_distinct_priorities_and_survive_a_drain(rendered, chart):

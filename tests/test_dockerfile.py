@@ -136,6 +136,15 @@ def test_operator_image_runs_the_charts_command_as_the_charts_user(stages):
     assert int(uid) == pod["securityContext"]["runAsUser"] and int(gid) == pod["securityContext"]["runAsGroup"]
 
 
+def test_runtime_pods_run_as_the_runtime_images_user(stages):
+    """The operator renders runtime pods with runAsNonRoot and the image's uid/gid (restricted Pod
+    Security): a numeric USER, so the kubelet can check it is not root."""
+    from specdecode.operator.security import RUNTIME_UID
+
+    uid, _, gid = stages["runtime"].arguments("USER")[-1].partition(":")
+    assert int(uid) == int(gid) == RUNTIME_UID
+
+
 def test_runtime_image_serves_the_default_model(stages):
     runtime = stages["runtime"]
     assert runtime.base.startswith("nvidia/cuda:") and "-runtime-" in runtime.base

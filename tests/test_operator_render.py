@@ -24,6 +24,7 @@ from specdecode.runtime.config import ServerConfig, SpeculativeConfig
 
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 NOT_BUNDLED = {"ServiceMonitor", "LeaderWorkerSet"}  # CRDs of other projects: checked by hand below
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "LeaderWorkerSet"}
 
 
 def cr(name: str = "demo", **spec: Any) -> dict[str, Any]:
@@ -80,6 +81,15 @@ EVERYTHING = dict(
         "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
         "volumes": [{"name": "extra", "configMap": {"name": "templates"}}],
         "volumeMounts": [{"name": "extra", "mountPath": "/etc/templates"}],
+        "runtimeClassName": "nvidia",
+        "schedulerName": "gpu-scheduler",
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "ScheduleAnyway", "matchLabelKeys": [names.LABEL_REVISION],
+                                       "labelSelector": {"matchLabels": {names.LABEL_INSTANCE: "demo"}}}],
+        "securityContext": {"supplementalGroups": [44], "seccompProfile": {"type": "Localhost",
+                                                                           "localhostProfile": "profiles/llm.json"}},
+        "containerSecurityContext": {"readOnlyRootFilesystem": True},
+        "leaderWorkerSetAnnotations": {"leaderworkerset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"},
     },
 )
 LAYOUTS = {
@@ -108,7 +118,8 @@ def test_tp_in_one_pod_is_a_deployment():
     assert deployment["spec"]["selector"]["matchLabels"][names.LABEL_REVISION] == rev
     assert deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_REVISION] == rev
     container = runtime(deployment)
-    assert container["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "4"},
+                                      "limits": {"nvidia.com/gpu": "4"}}  # Burstable: requested, not limited
     assert arg(container, "--tensor-parallel-size") == "4" and "--pipeline-parallel-size" not in container["args"]
     assert "env" not in container  # no rendezvous inside one pod
     assert service["spec"]["selector"] == names.selector_labels("demo")  # stable and canary pods alike
@@ -423,6 +434,81 @@ def group_size(workload: dict[str, Any]) -> int:
     if workload["kind"] == "LeaderWorkerSet":
         return workload["spec"]["leaderWorkerTemplate"]["size"]
     return workload["spec"]["replicas"]
+
+
+def pod_of(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    return (spec.get("template") or spec["leaderWorkerTemplate"]["workerTemplate"])["spec"]
+
+
+def test_cluster_pod_fields_reach_every_pod_of_every_layout():
+    """spec.pod's scheduling and security fields go into every workload's pods as written (the
+    security contexts merged over the operator's), and leaderWorkerSetAnnotations onto the
+    LeaderWorkerSet itself."""
+    given = EVERYTHING["pod"]
+    workloads = [(label, obj) for label, obj in all_rendered() if obj["kind"] in WORKLOAD_KINDS]
+    assert {obj["kind"] for _, obj in workloads} == WORKLOAD_KINDS
+    for label, obj in workloads:
+        pod = pod_of(obj)
+        for field in ("runtimeClassName", "schedulerName", "priorityClassName", "topologySpreadConstraints"):
+            assert pod[field] == given[field], (label, field)
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                          "fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch",
+                                          **given["securityContext"]}, label
+        for container in (*pod.get("initContainers", ()), *pod["containers"]):
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                                    "readOnlyRootFilesystem": True}, (label, container["name"])
+        annotations = obj["metadata"].get("annotations")
+        assert annotations == (given["leaderWorkerSetAnnotations"] if obj["kind"] == "LeaderWorkerSet" else None), label
+
+
+def default_workloads() -> list[tuple[str, dict[str, Any]]]:
+    """Every admissible layout's workloads, each kind it can run as, with nothing but the layout set."""
+    return [(f"{layout}{'-lws' if lws else ''}", obj) for layout, spec in LAYOUTS.items() for lws in (False, True)
+            for obj in render(resolved(**spec), leader_worker_set=lws) if obj["kind"] in WORKLOAD_KINDS]
+
+
+def qos_class(pod: dict[str, Any]) -> str:
+    """The pod's QoS class as the kubelet computes it (``GetPodQOS``), from cpu and memory only."""
+    containers = [*pod.get("initContainers", ()), *pod["containers"]]
+    amounts = [{kind: {k: v for k, v in c.get("resources", {}).get(kind, {}).items() if k in ("cpu", "memory")}
+                for kind in ("requests", "limits")} for c in containers]
+    if not any(a["requests"] or a["limits"] for a in amounts):
+        return "BestEffort"
+    guaranteed = all(a["limits"].keys() == {"cpu", "memory"} and a["requests"] in ({}, a["limits"]) for a in amounts)
+    return "Guaranteed" if guaranteed else "Burstable"
+
+
+# /dev/shm by default: 1Gi + 1Gi per rank in the pod (GPUs per pod, or tensor on CPU).
+DEFAULT_SHM = {"tp-in-pod": "5Gi", "pp-sts": "3Gi", "pp-tp1": "2Gi", "pp-stage-across-pods": "2Gi", "pp-cpu": "3Gi",
+               "pp-mtp-gated": "2Gi", "tp-across-pods": "3Gi", "cpu": "2Gi", "mtp-hf": "2Gi"}
+
+
+def test_every_layouts_pods_request_cpu_and_memory_unlimited_and_size_shm_by_ranks():
+    """Burstable QoS by default: cpu and memory requested, not limited (a memory limit would count
+    /dev/shm against the runtime), so a pod is neither the first evicted nor capped."""
+    assert DEFAULT_SHM.keys() == LAYOUTS.keys()
+    for label, obj in default_workloads():
+        pod = pod_of(obj)
+        (container,) = pod["containers"]
+        assert qos_class(pod) == "Burstable", label
+        assert {"cpu": "2", "memory": "8Gi"}.items() <= container["resources"]["requests"].items(), label
+        assert not {"cpu", "memory"} & container["resources"].get("limits", {}).keys(), label
+        (shm,) = [v for v in pod["volumes"] if v["name"] == names.SHM_VOLUME]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": DEFAULT_SHM[label.removesuffix("-lws")]}, label
+
+
+@pytest.mark.parametrize(("resources", "requests", "limits"), [
+    ({"requests": {"cpu": "8"}}, {"cpu": "8", "memory": "8Gi"}, {}),  # one request given: the other defaults
+    ({"limits": {"memory": "64Gi"}}, {"cpu": "2"}, {"memory": "64Gi"}),  # a lone limit is the request
+    ({"requests": {"memory": "1Gi"}, "limits": {"cpu": "4"}}, {"memory": "1Gi"}, {"cpu": "4"}),
+    ({"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}, "shmSize": "1Gi"},
+     {"cpu": "1", "memory": "2Gi"}, {"cpu": "1", "memory": "2Gi"}),  # Guaranteed, when asked for
+])
+def test_requests_and_limits_override_the_defaults_resource_by_resource(resources, requests, limits):
+    pod = pod_of(render(resolved(resources={"gpusPerPod": 0, **resources}))[0])
+    assert pod["containers"][0]["resources"] == {"requests": requests, **({"limits": limits} if limits else {})}
+    assert qos_class(pod) == ("Guaranteed" if limits.keys() == {"cpu", "memory"} else "Burstable")
 
 
 def test_every_admissible_layouts_runtime_arguments_parse_with_the_runtimes_own_parser():

@@ -231,6 +231,24 @@ UNKNOWN = "unknown field; remove it (field names are camelCase)"
      "nodeSelectorTerms[0].matchExpressions[0].operator: 'in' is not one of 'In', 'NotIn', 'Exists'"),
     ({"pod": {"volumeMounts": [{"name": "scratch", "mountPath": "/s", "mountPropagation": "Both"}]}},
      "spec.pod.volumeMounts[0].mountPropagation: 'Both' is not one of 'None', 'HostToContainer', 'Bidirectional'"),
+    # the cluster fields of spec.pod (issue 33)
+    ({"pod": {"securityContext": {"runAsUser": "root"}}},
+     'spec.pod.securityContext.runAsUser: must be integer, not "root"'),
+    ({"pod": {"securityContext": {"seccompProfile": {"type": "Default"}}}},
+     "spec.pod.securityContext.seccompProfile.type: 'Default' is not one of 'RuntimeDefault', 'Localhost'"),
+    ({"pod": {"containerSecurityContext": {"capabilities": {"drop": "ALL"}}}},
+     'spec.pod.containerSecurityContext.capabilities.drop: must be array, not "ALL"'),
+    ({"pod": {"containerSecurityContext": {"runAsNonroot": True}}},
+     f"spec.pod.containerSecurityContext.runAsNonroot: {UNKNOWN}"),
+    ({"pod": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "Never"}]}},
+     "spec.pod.topologySpreadConstraints[0].whenUnsatisfiable: 'Never' is not one of 'DoNotSchedule'"),
+    ({"pod": {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]}},
+     "spec.pod.topologySpreadConstraints[0].topologyKey: required"),
+    ({"pod": {"runtimeClassName": "NVIDIA"}}, "spec.pod.runtimeClassName: must be a DNS subdomain"),
+    ({"pod": {"schedulerName": "my_scheduler"}}, "spec.pod.schedulerName: must be a DNS subdomain"),
+    ({"pod": {"priorityClassName": "High"}}, "spec.pod.priorityClassName: must be a DNS subdomain"),
+    ({"pod": {"leaderWorkerSetAnnotations": {"a": 1}}},
+     "spec.pod.leaderWorkerSetAnnotations.a: Input should be a valid string"),
     # what collides with what the operator renders into every pod, or with itself
     ({"pod": {"env": [{"name": "MASTER_PORT", "value": "29500"}]}},
      "spec.pod.env[0].name: MASTER_PORT is set by the operator (the parallel group's rendezvous port): use another name"),
@@ -276,6 +294,38 @@ def test_pod_fields_kubernetes_accepts_are_allowed_as_written():
                         extraArgs=["--max-num-seqs", "8", "--kv-cache-blocks=64", "--no-overlap"]))
     assert answer.allowed, answer.message
     assert answer.resolved.spec.pod.volumes[0] == pod["volumes"][0]
+
+
+@pytest.mark.parametrize(("resources", "parallelism", "warned"), [
+    ({"limits": {"memory": "3Gi"}}, {}, "4Gi"),  # /dev/shm 2Gi (1 + 1 rank) + 2Gi
+    ({"limits": {"memory": "4Gi"}}, {}, None),
+    ({"limits": {"memory": "6Gi"}}, {"tensor": 4}, "7Gi"),  # /dev/shm 5Gi (1 + 4 ranks)
+    ({"limits": {"memory": "5Gi"}, "shmSize": "4096Mi"}, {"tensor": 4}, "6Gi"),  # shmSize given
+    ({"limits": {"memory": "6144Mi"}, "shmSize": "4Gi"}, {"tensor": 4}, None),
+    ({"limits": {"memory": "3000000000"}, "shmSize": "1Gi"}, {}, "3Gi"),
+    ({"shmSize": "64Gi"}, {}, None),  # no limit: nothing to warn about
+])
+def test_a_memory_limit_below_shm_and_the_floor_is_allowed_with_a_warning(resources, parallelism, warned):
+    answer = resolve(cr(resources=resources, parallelism=parallelism))
+    assert answer.allowed, answer.message
+    if warned is None:
+        assert answer.warnings == ()
+        return
+    (warning,) = answer.warnings
+    limit = resources["limits"]["memory"]
+    assert warning.startswith(f"spec.resources.limits.memory: {limit} leaves the runtime less than 2Gi beside /dev/shm")
+    assert f"raise the limit to at least {warned}, lower shmSize, or remove the limit" in warning
+    assert admission_response(answer)["warnings"] == [warning]
+
+
+def test_resources_get_the_operators_defaults_filled():
+    """cpu and memory requests unless given or limited; /dev/shm sized by the ranks in a pod
+    unless shmSize is given."""
+    res = resolve(cr(parallelism={"tensor": 4, "pipeline": 2}, resources={"gpusPerPod": 2})).resolved.spec.resources
+    assert (res.requests, res.limits, res.shm_size) == ({"cpu": "2", "memory": "8Gi"}, {}, "3Gi")
+    res = resolve(cr(resources={"requests": {"cpu": "500m"}, "limits": {"memory": "16Gi"}, "shmSize": "1Gi"}))
+    assert res.resolved.spec.resources.requests == {"cpu": "500m"}  # the memory limit is its request
+    assert res.resolved.spec.resources.shm_size == "1Gi"
 
 
 def test_a_spec_field_written_at_the_top_level_is_refused():

@@ -239,3 +239,18 @@ def test_what_admission_refuses_in_pod_fields_resources_and_extra_args(webhook: 
     body["spec"]["pod"]["tolerations"] = [{"key": "gpu", "operator": "Exists", "efect": "NoSchedule"}]
     answer = webhook.review("CREATE", body)
     assert "spec.pod.tolerations[0].efect: unknown field" in answer["status"]["message"]
+
+
+def test_a_memory_limit_under_shm_is_a_warning_and_cluster_pod_fields_are_checked(webhook: Webhook) -> None:
+    body = example("shm")
+    body["spec"]["resources"]["limits"]["memory"] = "3Gi"  # /dev/shm 2Gi + the 2Gi floor: 4Gi
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is True
+    (warning,) = answer["warnings"]
+    assert warning.startswith("spec.resources.limits.memory: 3Gi leaves the runtime less than 2Gi beside /dev/shm")
+    body["spec"]["pod"] = {"securityContext": {"seccompProfile": {"type": "Default"}}, "runtimeClassName": "NVIDIA"}
+    answer = webhook.review("CREATE", body)
+    assert answer["allowed"] is False
+    message = answer["status"]["message"]
+    assert "spec.pod.securityContext.seccompProfile.type: 'Default' is not one of 'RuntimeDefault'" in message
+    assert "spec.pod.runtimeClassName: must be a DNS subdomain" in message
