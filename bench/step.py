@@ -77,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per worker (default 1: on a shared CPU, threads wait for each other)")
     parser.add_argument("--weight-cache-dir", default=None, help="dequantized weights cache (default: the runtime's)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights of the model's config (a baseline must know the flag too)")
     parser.add_argument("--output-dir", default="bench-results")
 
 
@@ -129,6 +131,7 @@ def _run_worker(checkout: Checkout, cases: list[Case], args: argparse.Namespace,
             "--dtype", args.dtype, "--steps", str(args.steps), "--threads", str(args.threads),
             "--cases", json.dumps([c.__dict__ for c in cases])]
     argv += ["--weight-cache-dir", args.weight_cache_dir] if args.weight_cache_dir else []
+    argv += ["--load-format", args.load_format] if args.load_format != "auto" else []
     proc = subprocess.run(argv, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, check=False)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"bench-step: the {checkout.name} worker exited with status {proc.returncode} "
@@ -153,8 +156,8 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
             row["ratio_ms_per_step"] = statistics.median(ratios)
         rows.append(row)
     return {
-        "model": args.model, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
-        "device": first[THIS]["device"], "device_name": first[THIS]["device_name"], "dtype": first[THIS]["dtype"],
+        "model": args.model, "load_format": getattr(args, "load_format", "auto"), "steps": args.steps,
+        "rounds": args.rounds, "threads": args.threads, "device": first[THIS]["device"], "device_name": first[THIS]["device_name"], "dtype": first[THIS]["dtype"],
         "attention_bytes_counted": COUNTED,
         "checkouts": {c.name: {"root": str(c.root), "python": c.python, **_git_state(c.root),
                                **{k: first[c.name][k] for k in ("torch", "attention_module", "device", "dtype")}}
@@ -179,7 +182,8 @@ def _git_state(root: Path) -> dict[str, object]:
 def format_table(report: dict) -> str:
     names = list(report["checkouts"])  # baseline first, when there is one
     both = len(names) == 2
-    head = [f"bench-step: {report['model']} on {report['device_name']} ({report['dtype']}, {report['threads']} "
+    weights = " (dummy weights)" if report.get("load_format") == "dummy" else ""
+    head = [f"bench-step: {report['model']}{weights} on {report['device_name']} ({report['dtype']}, {report['threads']} "
             f"thread(s)), {report['steps']} timed steps, medians over {report['rounds']} round(s)"
             + ("; ratio = median of per-round this ÷ baseline ms/step" if both else ""),
             f"attention bytes copied = {report['attention_bytes_counted']}"]
@@ -247,10 +251,12 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--weight-cache-dir", default=None)
+    parser.add_argument("--load-format", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cache = {"weight_cache_dir": args.weight_cache_dir} if args.weight_cache_dir else {}
-    loaded = load_model(LoadConfig(model=args.model, device=args.device, dtype=args.dtype, **cache))
+    load = {"weight_cache_dir": args.weight_cache_dir} if args.weight_cache_dir else {}
+    load |= {"load_format": args.load_format} if args.load_format else {}
+    loaded = load_model(LoadConfig(model=args.model, device=args.device, dtype=args.dtype, **load))
     cases = [Case(**c) for c in json.loads(args.cases)]
     results = [measure_case(loaded, case, args.steps) for case in cases]
     device = loaded.device

@@ -182,6 +182,11 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class LoadFormat(str, Enum):
+    AUTO = "auto"  # the weights of the GGUF file or Hugging Face folder
+    DUMMY = "dummy"  # random weights of the model's shape (models/dummy.py): for timing only
+
+
 def default_weight_cache_dir() -> Path:
     return Path.home() / ".cache" / "specdecode" / "weights"
 
@@ -197,6 +202,9 @@ class LoadConfig(Frozen):
         description="dequantized GGUF weights are cached here as safetensors; None turns it off",
     )
     chat_template: str | None = Field(None, description="path to a Jinja chat template file")
+    load_format: LoadFormat = Field(
+        LoadFormat.AUTO, description="dummy: random weights of the model's config (a folder with config.json and "
+        "the tokenizer is enough), to time steps where the weights are not")
 
 
 class CacheConfig(Frozen):

@@ -27,6 +27,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-cache-dir", default=None, metavar="DIR",
                    help="where dequantized GGUF weights are cached (default ~/.cache/specdecode/weights)")
     g.add_argument("--no-weight-cache", action="store_true", help="do not cache dequantized weights")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                   help="dummy: random weights of the model's config, to time steps without the weights (default auto)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +132,7 @@ def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - a subcommand may lack a group
     load = _set(model=args.model, device=get("device"), dtype=get("dtype"), chat_template=get("chat_template"),
-                weight_cache_dir=get("weight_cache_dir"))
+                weight_cache_dir=get("weight_cache_dir"), load_format=get("load_format"))
     if get("no_weight_cache"):
         load["weight_cache_dir"] = None
     cache = _set(num_blocks=get("kv_cache_blocks"), memory_gib=get("kv_cache_memory_gib"),

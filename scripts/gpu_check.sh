@@ -3,15 +3,19 @@
 # engine's greedy equivalence on CUDA) and the kernel benchmark, run from source on a CUDA machine.
 # No `pip install -e .` there: its torch pin would replace the machine's CUDA torch. Two halves:
 #   scripts/gpu_check.sh fetch         here: wheels of what GPU machines lack (pydantic, tokenizers,
-#                                      pytest, matplotlib, ...) for their Python into .gpu-wheels/
+#                                      pytest, matplotlib, ...) for their Python into .gpu-wheels/,
+#                                      and SmolLM2-135M's config and tokenizer (no weights) into
+#                                      .gpu-model/
 #   scripts/gpu_check.sh run [ARGS]    there: install those wheels into a scratch folder with
 #                                      --no-deps (the machine's torch and triton stay as they are),
 #                                      then `pytest -m gpu` with TRITON_INTERPRET=0 and ARGS, then
-#                                      `specdecode bench-kernels` into ${OUT:-bench-results}
+#                                      `specdecode bench-kernels` and `specdecode bench-step` (dummy
+#                                      weights of .gpu-model/) into ${OUT:-bench-results}
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=.gpu-wheels
+MODEL_SHAPE=.gpu-model  # bench-step's model there: the 98 MB GGUF is over what travels to the machine
 GPU_PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
 PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions pyyaml
           pytest pluggy iniconfig packaging pygments
@@ -27,6 +31,10 @@ case "${1:-}" in
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
       "${PACKAGES[@]}"
     du -sh "$WHEELS"
+    PYTHON=.venv/bin/python; [ -x "$PYTHON" ] || PYTHON=python3
+    $PYTHON -P -c 'import sys, pathlib; from specdecode.runtime.models.loader import save_model_shape
+save_model_shape("smollm2-135m", pathlib.Path(sys.argv[1]))' "$MODEL_SHAPE"
+    du -sh "$MODEL_SHAPE"
     ;;
   run)
     shift
@@ -43,6 +51,10 @@ case "${1:-}" in
     python3 -P -m pytest -q -m gpu -p no:cacheprovider -p no:realk8s -p no:realk8s_operator -p no:realk8s_cluster \
       tests/test_cuda.py "$@" || rc=$?
     python3 -P -m specdecode.runtime.cli bench-kernels --output-dir "${OUT:-bench-results}" || rc=$?
+    if [ -d "$MODEL_SHAPE" ]; then
+      python3 -P -m specdecode.runtime.cli bench-step --model "$MODEL_SHAPE" --load-format dummy --device cuda \
+        --rounds 1 --output-dir "${OUT:-bench-results}" || rc=$?
+    fi
     exit $rc
     ;;
   *)

@@ -151,26 +151,9 @@ def tiny_hf_model_dir(tmp_path_factory):
 
 def random_hf_weights(cfg, seed: int, std: float = 0.1) -> dict[str, torch.Tensor]:
     """HF-named random weights for a ModelConfig (norm weights near 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    from specdecode.runtime.models.dummy import random_hf_weights as weights
 
-    def rand(*shape, scale=std):
-        return torch.randn(*shape, generator=gen) * scale
-
-    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, H, scale=1.0), "model.norm.weight": 1 + rand(H)}
-    if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = rand(cfg.vocab_size, H, scale=0.25)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        w |= {p + "input_layernorm.weight": 1 + rand(H), p + "post_attention_layernorm.weight": 1 + rand(H),
-              p + "self_attn.q_proj.weight": rand(q, H), p + "self_attn.k_proj.weight": rand(kv, H),
-              p + "self_attn.v_proj.weight": rand(kv, H), p + "self_attn.o_proj.weight": rand(H, q),
-              p + "mlp.gate_proj.weight": rand(I, H), p + "mlp.up_proj.weight": rand(I, H),
-              p + "mlp.down_proj.weight": rand(H, I)}
-        if cfg.attention_bias:
-            w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
-                  p + "self_attn.v_proj.bias": rand(kv)}
-    return w
+    return dict(weights(cfg, seed, std))
 
 
 @pytest.fixture(scope="session")

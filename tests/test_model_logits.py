@@ -97,6 +97,31 @@ def test_loaded_model_fields(tiny_hf_model_dir, tmp_path):
     assert loaded.tokenizer.eos_token_ids == {loaded.tokenizer.token_to_id("<|im_end|>")}
 
 
+def test_dummy_weights_need_only_the_config_and_the_tokenizer(tiny_hf_model_dir, tmp_path, write_tiny_gguf):
+    """``load_format`` dummy (``--load-format dummy``): the folder ``save_model_shape`` writes (config.json
+    and the tokenizer, no weights) loads as the seeded random weights of ``models/dummy.py``, the same
+    each time; a GGUF file loads so too; without the setting that folder is refused for its missing weights."""
+    from specdecode.runtime.models.dummy import random_hf_weights
+    from specdecode.runtime.models.loader import save_model_shape
+
+    shape = tmp_path / "shape"
+    save_model_shape(str(tiny_hf_model_dir), shape)
+    assert (shape / "config.json").is_file() and not list(shape.glob("*.safetensors"))
+    cfg = LoadConfig(model=str(shape), weight_cache_dir=None, load_format="dummy")
+    first, again = load_model(cfg), load_model(cfg)
+    state = first.model.state_dict()
+    assert all(torch.equal(t, again.model.state_dict()[name]) for name, t in state.items())
+    assert torch.equal(state["model.embed_tokens.weight"], dict(random_hf_weights(first.config))["model.embed_tokens.weight"])
+    assert first.tokenizer.encode("hello world") == load_model(LoadConfig(model=str(tiny_hf_model_dir),
+                                                                          weight_cache_dir=None)).tokenizer.encode("hello world")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = load_model(LoadConfig(model=str(tmp_path / "tiny.gguf"), weight_cache_dir=None, load_format="dummy"))
+    assert torch.equal(gguf.model.state_dict()["model.embed_tokens.weight"],
+                       dict(random_hf_weights(gguf.config))["model.embed_tokens.weight"])
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(LoadConfig(model=str(shape), weight_cache_dir=None))
+
+
 def test_dispatch_errors(tmp_path, tiny_hf_model_dir):
     with pytest.raises(FileNotFoundError, match="neither a known alias"):
         load_model(LoadConfig(model=str(tmp_path / "nope"), weight_cache_dir=None))

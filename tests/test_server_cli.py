@@ -27,10 +27,11 @@ def test_serve_flags_build_the_configs():
         "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
         "--kv-cache-blocks", "100", "--block-size", "32", "--no-prefix-caching", "--max-waiting-requests", "3",
         "--api-key", "k", "--chat-template", "/t.jinja", "--device", "cpu", "--dtype", "bfloat16",
-        "--no-weight-cache",
+        "--no-weight-cache", "--load-format", "dummy",
     ])
     cfg = engine_config(args)
     assert (cfg.load.model, cfg.load.device.value, cfg.load.dtype.value) == ("/m", "cpu", "bfloat16")
+    assert cfg.load.load_format.value == "dummy"
     assert cfg.load.weight_cache_dir is None and cfg.load.chat_template == "/t.jinja"
     assert (cfg.cache.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching) == (100, 32, False)
     s = cfg.scheduler

@@ -8,6 +8,7 @@ cache stays full-size) and keeps its own slice.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from specdecode.runtime.config import LoadConfig
+from specdecode.runtime.config import LoadConfig, LoadFormat
 from specdecode.runtime.device import resolve_device, resolve_dtype
 from specdecode.runtime.models import aliases, weight_cache
 from specdecode.runtime.models.decoder import DecoderLM, RotaryEmbedding
+from specdecode.runtime.models.dummy import random_hf_weights
 from specdecode.runtime.models.gguf_loader import open_gguf
 from specdecode.runtime.models.hf_loader import is_hf_folder, open_hf_folder
 from specdecode.runtime.models.model_config import ModelConfig
@@ -52,7 +54,7 @@ def load_model(cfg: LoadConfig, tp: TensorParallel = TensorParallel(), stage: Pi
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     with _model_path(cfg) as path:
-        config_dict, weights, tokenizer = _open(path, cfg.weight_cache_dir, dtype)
+        config_dict, weights, tokenizer = _open(path, cfg, dtype)
         config = ModelConfig.from_hf(config_dict)
         model = build_model(config, weights, device, dtype, tp, stage)
     if cfg.chat_template is not None:
@@ -66,6 +68,17 @@ def load_model(cfg: LoadConfig, tp: TensorParallel = TensorParallel(), stage: Pi
         device=device,
         dtype=dtype,
     )
+
+
+def save_model_shape(model: str, folder: Path) -> None:
+    """What ``load_format`` dummy needs of ``model`` (an alias, GGUF file or folder) into ``folder``:
+    config.json and the tokenizer's files, a few MB that travel where the weights do not."""
+    cfg = LoadConfig(model=model, load_format=LoadFormat.DUMMY)
+    with _model_path(cfg) as path:
+        hf_config, _, tokenizer = _open(path, cfg, torch.float32)  # the weights, lazy, are never drawn
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=1), encoding="utf-8")
+    tokenizer.save(folder)
 
 
 def served_name(model: str) -> str:
@@ -90,20 +103,29 @@ def _model_path(cfg: LoadConfig) -> Iterator[Path]:
 
 
 def _open(
-    path: Path, cache_dir: Path | None, dtype: torch.dtype
+    path: Path, cfg: LoadConfig, dtype: torch.dtype
 ) -> tuple[dict[str, Any], Iterable[tuple[str, torch.Tensor]], Tokenizer]:
-    """(HF config dict, weight iterator in ``dtype``, tokenizer) for a GGUF file or an HF folder."""
+    """(HF config dict, weight iterator in ``dtype``, tokenizer) for a GGUF file or an HF folder;
+    with ``load_format`` dummy no weight is read (a folder needs only config.json and the tokenizer)."""
+    dummy = cfg.load_format is LoadFormat.DUMMY
     if path.is_dir():
         if not is_hf_folder(path):
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             hint = f"; pass one of its GGUF files instead: {ggufs}" if ggufs else ""
             raise ValueError(f"{path} is not a Hugging Face model folder (no config.json){hint}")
+        if dummy:
+            hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            return hf_config, _dummy_weights(hf_config, dtype), Tokenizer.from_hf_folder(path)
         hf = open_hf_folder(path)
         num_layers = hf.hf_config.get("num_hidden_layers", 0)
         weights = ((n, t) for n, t in hf.weights(dtype) if not is_mtp_weight(n, num_layers))  # the head's, loaded apart
         return hf.hf_config, weights, hf.tokenizer
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path}: expected a *.gguf file or a Hugging Face folder")
+    cache_dir = cfg.weight_cache_dir
+    if dummy:
+        gguf = open_gguf(path)
+        return gguf.hf_config, _dummy_weights(gguf.hf_config, dtype), Tokenizer.from_gguf_metadata(gguf.tokenizer)
     entry = weight_cache.lookup(cache_dir, path, dtype) if cache_dir is not None else None
     if entry is not None:
         cached = open_hf_folder(entry)
@@ -114,6 +136,10 @@ def _open(
     if cache_dir is not None:
         weights = weight_cache.write_through(cache_dir, gguf, tokenizer, weights, dtype)
     return gguf.hf_config, weights, tokenizer
+
+
+def _dummy_weights(hf_config: dict[str, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((name, t.to(dtype)) for name, t in random_hf_weights(ModelConfig.from_hf(hf_config)))
 
 
 def build_model(
