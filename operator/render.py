@@ -50,17 +50,25 @@ TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 DRAIN_TIMEOUT_FLAG = "--drain-timeout"  # the runtime's; extraArgs may set it
 PRE_STOP_SECONDS = 10  # for endpoint controllers, kube-proxy and Gateways to stop sending requests
 EXIT_MARGIN_SECONDS = 30  # after the drain: uvicorn's shutdown, the engine's ranks stopping
-# The preStop hook (argv: seconds, the runtime's port): wait for the endpoints to go; in a worker
-# pod (NODE_RANK > 0), then until the group's leader no longer answers /health (it has drained
-# and exited, or died).
+LEADER_SERVING_SECONDS = 30  # a leader ready this long after a worker's endpoints went is not shutting down
+# The preStop hook (argv: seconds, the runtime's port, LEADER_SERVING_SECONDS): wait for the
+# endpoints to go; in a worker pod (NODE_RANK > 0), then while the group's leader drains (its
+# /ready answers 503), until it no longer answers (it has drained and exited, or died). A leader
+# that stays ready is not going: the worker alone is (evicted, its node drained), so it does not
+# wait out its grace period for a leader that will not exit.
 PRE_STOP_SCRIPT = (
-    "import os, sys, time, urllib.request\n"
+    "import os, sys, time, urllib.error, urllib.request\n"
     "time.sleep(float(sys.argv[1]))\n"
-    "leader = os.environ.get('MASTER_ADDR')\n"
+    "leader, serving_since = os.environ.get('MASTER_ADDR'), None\n"
     "while leader and os.environ.get('NODE_RANK', '0') != '0':\n"
     "    try:\n"
-    "        urllib.request.urlopen(f'http://{leader}:{sys.argv[2]}/health', timeout=2)\n"
+    "        urllib.request.urlopen(f'http://{leader}:{sys.argv[2]}/ready', timeout=2)\n"
+    "        serving_since = serving_since or time.monotonic()\n"
+    "    except urllib.error.HTTPError:\n"
+    "        serving_since = None\n"
     "    except OSError:\n"
+    "        break\n"
+    "    if serving_since is not None and time.monotonic() - serving_since >= float(sys.argv[3]):\n"
     "        break\n"
     "    time.sleep(2)\n"
 )
@@ -155,7 +163,8 @@ def termination_grace_seconds(r: Resolved) -> int:
 
 
 def _pre_stop() -> Obj:
-    return {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT, str(PRE_STOP_SECONDS), str(names.HTTP_PORT)]}}
+    return {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT, str(PRE_STOP_SECONDS), str(names.HTTP_PORT),
+                                 str(LEADER_SERVING_SECONDS)]}}
 
 
 def _http_probe(path: str, period: int, failures: int) -> Obj:

@@ -78,8 +78,8 @@ def test_a_resource_gets_owned_children_and_a_status(cluster: RealCluster, workl
     (pod,) = [c["spec"]["template"]["spec"] for c in children if c["kind"] == "Deployment"]
     assert pod["terminationGracePeriodSeconds"] == render.PRE_STOP_SECONDS + 120 + render.EXIT_MARGIN_SECONDS
     (runtime,) = pod["containers"]
-    assert runtime["lifecycle"]["preStop"]["exec"]["command"][-2:] == [str(render.PRE_STOP_SECONDS),
-                                                                       str(names.HTTP_PORT)]
+    assert runtime["lifecycle"]["preStop"]["exec"]["command"][3:] == [
+        str(render.PRE_STOP_SECONDS), str(names.HTTP_PORT), str(render.LEADER_SERVING_SECONDS)]
     cluster.until(lambda: cluster.status("created").get("observedGeneration"), "a status")
     status = cluster.status("created")
     assert status["observedGeneration"] == 1 and status["stableRevision"]

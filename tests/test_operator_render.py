@@ -173,33 +173,43 @@ def test_shutdown_waits_for_the_endpoints_then_the_whole_drain(extra_args, drain
     assert (parsed or ServerConfig().drain_timeout_s) == drain
     assert pod["terminationGracePeriodSeconds"] == PRE_STOP_SECONDS + math.ceil(drain) + EXIT_MARGIN_SECONDS
     command = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[:2] == ["python", "-c"] and command[3:] == [str(PRE_STOP_SECONDS), str(names.HTTP_PORT)]
+    assert command[:2] == ["python", "-c"] and command[3:5] == [str(PRE_STOP_SECONDS), str(names.HTTP_PORT)]
 
 
-def test_the_pre_stop_hook_holds_a_worker_until_its_leader_is_gone():
-    """The hook as the kubelet runs it (0 s wait here): a leader or a one-pod replica goes on to
-    SIGTERM at once; a worker waits while its leader answers /health, and goes when it stops."""
+def test_the_pre_stop_hook_holds_a_worker_while_its_leader_drains():
+    """The hook as the kubelet runs it (0 s endpoint wait, 1 s for a serving leader): a leader or a
+    one-pod replica goes on to SIGTERM at once; a worker waits while its leader drains (``/ready``
+    503) and goes when the leader stops answering; a worker whose leader keeps serving (it alone is
+    evicted) goes once the leader has been ready for the set time, not at the end of its grace period."""
     from http.server import BaseHTTPRequestHandler, HTTPServer
     from threading import Thread
 
-    class Health(BaseHTTPRequestHandler):
+    class Leader(BaseHTTPRequestHandler):
+        status = 503  # draining
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
-            self.send_response(200)
+            self.send_response(self.status if self.path == "/ready" else 200)
             self.end_headers()
 
         def log_message(self, *args: Any) -> None:
             pass
 
     command = runtime(render(resolved())[0])["lifecycle"]["preStop"]["exec"]["command"]
-    leader = HTTPServer(("127.0.0.1", 0), Health)
+    leader = HTTPServer(("127.0.0.1", 0), Leader)
     Thread(target=leader.serve_forever, daemon=True).start()
-    hook = [sys.executable, *command[1:3], "0", str(leader.server_address[1])]
+    hook = [sys.executable, *command[1:3], "0", str(leader.server_address[1]), "1"]
     group = {"MASTER_ADDR": "127.0.0.1"}
     assert subprocess.run(hook, env=group | {"NODE_RANK": "0"}, timeout=10).returncode == 0
     assert subprocess.run(hook, env={}, timeout=10).returncode == 0
     worker = subprocess.Popen(hook, env=group | {"NODE_RANK": "1"})
-    time.sleep(1.0)
+    time.sleep(3.0)
     assert worker.poll() is None  # the leader still drains
+    Leader.status = 200  # serving, not going: the worker alone is
+    assert worker.wait(timeout=10) == 0
+    Leader.status = 503
+    worker = subprocess.Popen(hook, env=group | {"NODE_RANK": "1"})
+    time.sleep(1.0)
+    assert worker.poll() is None
     leader.shutdown()
     leader.server_close()
     assert worker.wait(timeout=10) == 0
