@@ -156,7 +156,7 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
             row["ratio_ms_per_step"] = statistics.median(ratios)
         rows.append(row)
     return {
-        "model": args.model, "load_format": getattr(args, "load_format", "auto"), "steps": args.steps,
+        "model": args.model, "load_format": args.load_format, "steps": args.steps,
         "rounds": args.rounds, "threads": args.threads, "device": first[THIS]["device"], "device_name": first[THIS]["device_name"], "dtype": first[THIS]["dtype"],
         "attention_bytes_counted": COUNTED,
         "checkouts": {c.name: {"root": str(c.root), "python": c.python, **_git_state(c.root),

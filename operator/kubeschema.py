@@ -2,7 +2,8 @@
 
 ``spec.pod`` entries (tolerations, env, volumes, volumeMounts, affinity, topologySpreadConstraints,
 securityContext, containerSecurityContext) go into every pod as written, so admission checks each
-against its Kubernetes definition instead of letting the API server refuse the child later: kubernetes-validate's strict JSON schemas (generated from the API
+against its Kubernetes definition instead of letting the API server refuse the child later:
+kubernetes-validate's strict JSON schemas (generated from the API
 server's OpenAPI document; unknown fields are refused), of the newest Kubernetes it bundles, so
 that no cluster's field is refused. A field the cluster is too old for is still refused by its
 API server when the operator writes the child.

@@ -207,7 +207,7 @@ def resolve(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Re
         errors += _immutable_errors(old, layout)
     filled = _filled(spec, layout) if layout is not None else None
     warnings = (*_warnings(spec, name), *(memory_limit_warnings(filled.resources) if filled else ()))
-    if errors or filled is None or layout is None:
+    if errors or filled is None:
         return Resolution(None, tuple(errors), warnings, name)
     return Resolution(Resolved(name, namespace, filled, layout, warnings), (), warnings, name)
 

@@ -365,7 +365,7 @@ class LLMEngine:
         self.load_control.observe_proposal([item.num_draft for item in asked], [len(t) for t in proposal.token_ids])
         for i, (item, tokens) in enumerate(zip(asked, proposal.token_ids)):
             probs = None if proposal.probs is None else proposal.probs[i]
-            # drafts made without the grammar elsewhere (a pipeline's last stage) may be dense for sampled requests
+            # drafts relayed from a pipeline's last stage may be dense (their q stays there): never cut under rejection
             drawn = probs is not None or not self.proposer.follows_guides
             item.set_drafts(self._grammar_drafts(item.seq, tokens, drawn), probs)
 

@@ -110,8 +110,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, heads * head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    k_pool.flatten(0, 1).index_copy_(0, batch.slot_mapping, k)  # [slots, kv_heads, head_dim]: a view in any layout
-    v_pool.flatten(0, 1).index_copy_(0, batch.slot_mapping, v)
+    kv_heads = k.shape[1]
+    # [slots, kv_heads, head_dim]: a view of either layout (view, not flatten: a copy would drop the writes)
+    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
     if q.is_cuda:
         attend = paged_decode_attention if batch.max_query_len <= MAX_DECODE_QUERY_LEN else paged_prefill_attention
         out = attend(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, batch.query_start, batch.hidden_keys,
