@@ -119,7 +119,8 @@ def make_workload(seed: int, axes: Axes, vocab_size: int, decode: Callable[[list
         requests.append(FuzzRequest(f"r{i}", tuple(prompt), _params(rng, prompt, k, decode), arrival, abort_at,
                                     rng.random() < 0.25))
     needed = max(-(-(len(r.prompt) + r.params.max_tokens) // block_size) for r in requests)
-    shape = Shape(block_size, needed + rng.randint(0, 4), rng.randint(6, 32), rng.randint(2, 6), k,
+    num_blocks = max(2, needed + rng.randint(0, 4))  # CacheConfig's least (short prompts, few tokens: needed = 1)
+    shape = Shape(block_size, num_blocks, rng.randint(6, 32), rng.randint(2, 6), k,
                   grammar_drafts=rng.random() < 0.75)
     return Workload(seed, axes, shape, tuple(requests))
 
