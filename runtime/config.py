@@ -251,6 +251,10 @@ class ParallelConfig(Frozen):
         300.0, gt=0, description="a collective waiting longer for a peer fails, and the group stops (workers wait for "
         "the next step without limit while rank 0 lives)"
     )
+    group_heartbeat_timeout_s: float = Field(
+        15.0, gt=0, description="a rank whose heartbeat rank 0 misses this long is lost: rank 0 fails its requests, "
+        "turns not ready and exits (and a worker that cannot reach rank 0 this long exits)"
+    )
     trace_dir: Path | None = Field(
         None, description="pipeline stages: every rank writes what it holds and, per step, the positions and KV "
         "slots it ran (rank 0 also the items and verdicts) to rank<N>.jsonl here; for debugging"

@@ -75,6 +75,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         "--tensor-parallel-size ranks; the last stage samples and verifies (default 1)")
     g.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                    help="a step waiting longer than this for another rank fails, and every rank exits (default 300)")
+    g.add_argument("--group-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a rank of the group silent this long (its pod gone or hung) fails the requests in flight, "
+                        "turns /ready 503 and exits the server, so the group re-forms (default 15)")
     g.add_argument("--trace-steps", default=None, metavar="DIR",
                    help="pipeline stages: each rank writes its layers, parameters and, per step, the positions and KV "
                         "slots it ran to DIR/rank<N>.jsonl (debugging)")
@@ -119,7 +122,8 @@ def parallel_config(args: argparse.Namespace, environ: Mapping[str, str]):
     return ParallelConfig(**_set(
         tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", None),
-        collective_timeout_s=getattr(args, "collective_timeout", None), trace_dir=getattr(args, "trace_steps", None),
+        collective_timeout_s=getattr(args, "collective_timeout", None),
+        group_heartbeat_timeout_s=getattr(args, "group_heartbeat_timeout", None), trace_dir=getattr(args, "trace_steps", None),
         num_nodes=environ.get("NNODES"),
         node_rank=environ.get("NODE_RANK"), master_addr=environ.get("MASTER_ADDR"),
         master_port=environ.get("MASTER_PORT")))

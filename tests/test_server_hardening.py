@@ -366,7 +366,7 @@ def test_the_drain_deadline_ends_cut_streams_with_an_error_event_and_exits_nonze
     check_error(waiting, 503, None, "overloaded")
     assert 1 <= int(waiting.headers["retry-after"]) <= MAX_RETRY_AFTER_S
     assert code == 1, text
-    assert "cut at the drain deadline" in text and "exiting 1: the drain's deadline cut 2 request(s)" in text
+    assert "cut: the server shut down before this request finished" in text and "exiting 1: the drain's deadline cut 2 request(s)" in text
     for never in ("Event loop is closed", "Traceback", "timeout graceful shutdown exceeded"):
         assert never not in text, text
 

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, Par
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
+from specdecode.runtime.parallel.heartbeat import Beats
 from specdecode.runtime.serve_flags import engine_config
 
 MAX_TOKENS = 16
@@ -281,6 +283,62 @@ def test_two_pods_node_0_serves_and_node_1_runs_its_rank_behind_probes(tiny_hf_m
         assert node0.wait(timeout=30) == 0, logs[0].read_text()[-4000:]
         assert node1.wait(timeout=30) == 0, logs[1].read_text()[-4000:]  # its rank was told to stop
         assert not any(running(pid) for pid in spawned if is_worker(pid))
+    finally:
+        kill_group(node0)
+        kill_group(node1)
+
+
+def test_a_rank_whose_counter_stops_moving_is_lost_after_the_timeout_and_not_before():
+    beats = Beats([1, 2], timeout_s=3.0, now=0.0)
+    assert beats.observe({1: 0, 2: 0}, now=3.0) == []  # no beat yet, but not past the timeout
+    assert beats.observe({1: 1, 2: 0}, now=3.5) == [2]
+    assert beats.observe({1: 1, 2: 1}, now=6.0) == []  # rank 1 moved at 3.5; rank 2 is back
+    assert beats.observe({1: 1, 2: 2}, now=6.6) == [1]
+
+
+@pytest.mark.timeout(90)
+def test_two_pods_leader_fails_requests_and_turns_not_ready_when_a_worker_rank_stops_beating(tiny_hf_model_dir,
+                                                                                            tmp_path):
+    """TP2 as two "pods": node 1's rank hangs mid-generation (SIGSTOP: no connection closes, as when a
+    node is lost). Rank 0 sees no heartbeat for 2 s: the stream in flight ends with an error saying so,
+    ``/ready`` turns 503 long before the 60 s collective timeout, and the leader exits non-zero (a
+    torch group cannot take the rank back); the rank, let go again, finds its leader gone and exits
+    non-zero too, so both pods restart and re-form the group."""
+    group = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    flags = (*TP2, "--group-heartbeat-timeout", "2", "--collective-timeout", "60")
+    ports, logs = [free_port(), free_port()], [tmp_path / "node0.log", tmp_path / "node1.log"]
+    node1 = start_serve(tiny_hf_model_dir, ports[1], logs[1], *flags, env={**group, "NODE_RANK": "1"})
+    node0 = start_serve(tiny_hf_model_dir, ports[0], logs[0], *flags, env={**group, "NODE_RANK": "0"})
+    url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        wait_ready(node0, url, logs[0], timeout=40)
+        (rank1,) = [pid for pid in descendants(node1.pid) if is_worker(pid)]
+        lines: list[str] = []
+        streamed = threading.Event()
+
+        def generate() -> None:
+            body = {"prompt": "Hello world", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as answer:
+                for line in answer.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streamed.set()
+
+        client = threading.Thread(target=generate, daemon=True)
+        client.start()
+        assert streamed.wait(30), "no token streamed"
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while httpx.get(url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() - stopped < 30, "/ready stayed 200 with a rank of the group hung"
+            time.sleep(0.1)
+        client.join(30)
+        assert not client.is_alive(), "the stream in flight did not end"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "no heartbeat for 2s" in error["message"] and lines[-1] == "data: [DONE]", lines[-4:]
+        assert node0.wait(timeout=30) != 0, logs[0].read_text()[-4000:]
+        os.kill(rank1, signal.SIGCONT)
+        assert node1.wait(timeout=30) != 0, logs[1].read_text()[-4000:]
     finally:
         kill_group(node0)
         kill_group(node1)

@@ -5,7 +5,9 @@ outputs go back through ``loop.call_soon_threadsafe`` into one asyncio queue per
 exception inside a step fails the requests in flight with that error instead of killing the
 thread, so one bad step never takes the server down — except a step that broke the
 tensor-parallel group: the thread stops, and the engine reports itself dead (so does a lost
-worker process of this pod).
+worker process of this pod). A rank of the group that stops beating (``parallel.heartbeat``) fails
+the requests in flight at once, from the watch's thread: the engine thread may be waiting on that
+rank in a step.
 
 Admission is counted where it happens: ``generate`` checks and takes a seat in the waiting queue
 under one lock, and the engine thread gives the seat back when the scheduler first takes the
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FINISH_RATE_WINDOW_S = 60.0
+ENGINE_STOP_S = 30.0  # the longest shutdown waits for a step to end (1 s once the group is lost: it may never)
 
 
 class EngineOverloaded(Exception):
@@ -117,7 +120,8 @@ class AsyncEngine:
         self.leader = leader  # rank 0 of a tensor-parallel group: the other ranks' keeper
         self.ready = False
         self._inbox: queue.Queue[_Add | _Abort | _AbortAll | None] = queue.Queue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, _Sink] = {}  # the engine thread's, but for ``_take_sinks`` (any thread)
+        self._sinks_lock = threading.Lock()
         self._num_waiting = 0  # seats taken in the waiting queue: submitted, not yet scheduled once
         self._lock = threading.Lock()  # guards _num_waiting
         self._queued: set[str] = set()  # the engine thread's: ids it added that the scheduler has not yet taken
@@ -152,7 +156,10 @@ class AsyncEngine:
         return self.engine.grammars
 
     def start(self) -> None:
-        """Warm up (one real step, so the first request does not pay for it) and start stepping."""
+        """Watch the group's heartbeats, warm up (one real step, so the first request does not pay
+        for it) and start stepping."""
+        if self.leader is not None:
+            self.leader.watch(self._group_lost)
         self._warm_up()
         thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         thread.start()
@@ -163,11 +170,11 @@ class AsyncEngine:
         self.ready = False
         if self._thread is not None:
             self._inbox.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=ENGINE_STOP_S if self.leader is None or self.leader.lost is None else 1.0)
             stepping = self._thread.is_alive()
             self._thread = None
             if stepping:  # stuck in a step: no shutdown message can go out beside it
-                log.error("the engine thread did not stop within 30s")
+                log.error("the engine thread is stuck in a step; stopping without it")
                 return
         self.engine.shutdown()
         if self.leader is not None:
@@ -175,8 +182,8 @@ class AsyncEngine:
 
     @property
     def dead(self) -> bool:
-        """The stepping thread was started and has stopped on its own, or a tensor-parallel worker
-        of this pod is gone (liveness probe fails)."""
+        """The stepping thread was started and has stopped on its own, a worker process of this pod
+        is gone, or a rank of the group stopped beating (liveness probe fails)."""
         thread_stopped = self._thread is not None and not self._thread.is_alive()
         return thread_stopped or (self.leader is not None and not self.leader.alive)
 
@@ -195,8 +202,8 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        if self._thread is None or not self._thread.is_alive():
-            raise EngineDead("the engine is not running")
+        if self._thread is None or self.dead:
+            raise EngineDead(self.leader and self.leader.lost or "the engine is not running")
         self.engine._validate(request_id, prompt_token_ids, params)
         with self._lock:
             if self._num_waiting >= self.max_waiting_requests:
@@ -298,12 +305,27 @@ class AsyncEngine:
         with self._lock:
             self._num_waiting -= count
 
+    def _group_lost(self, line: str) -> None:
+        """On the heartbeat watch's thread: every caller in flight gets the error now — the engine
+        thread may wait in a step on the lost rank for the collective timeout — and the engine
+        drops their requests when it next looks at its inbox."""
+        error = EngineDead(line)
+        for sink in self._take_sinks():
+            sink.put(error)
+        self.abort_all(error)
+
+    def _take_sinks(self) -> list[_Sink]:
+        """Every caller's sink, removed (other accesses are single dict operations, atomic as they are)."""
+        with self._sinks_lock:
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+        return sinks
+
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-        for sink in self._sinks.values():
+        for sink in self._take_sinks():
             sink.put(exc)
-        self._sinks.clear()
         self._give_back_seats(len(self._queued))
         self._queued.clear()
         self._stats = self.engine.stats()

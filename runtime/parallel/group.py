@@ -62,6 +62,11 @@ def connect_store(cfg: ParallelConfig, addr: str, port: int) -> dist.TCPStore:
                          timeout=timedelta(seconds=cfg.rendezvous_timeout_s))
 
 
+def store_client(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """One more connection to rank 0's store, for a thread of its own (heartbeats)."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
 @dataclass(frozen=True)
 class Groups:
     """This rank's groups beside the default one (see the module docstring)."""

@@ -5,20 +5,22 @@
 step through the ``StepChannel``. Tensor parallelism only: the scheduler, the proposer (a draft
 model stays whole, on rank 0) and the verifier run here. With pipeline stages rank 0 holds the
 first stage and the engine's steps go through ``PipelineExecution``: the last stage verifies,
-and the draft model or MTP heads sit there (``pipeline``).
+and the draft model or MTP heads sit there (``pipeline``). Every other rank's heartbeat is watched (``heartbeat``) once the server starts.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from specdecode.runtime.config import MTP_PIPELINE_WARNING, EngineConfig, SpeculativeMethod
+from specdecode.runtime.config import MTP_PIPELINE_WARNING, EngineConfig, ParallelConfig, SpeculativeMethod
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.model_runner import ModelRunner
 from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
-from specdecode.runtime.parallel.group import bind_device, host_store, join_group
+from specdecode.runtime.parallel.group import bind_device, host_store, join_group, store_client
+from specdecode.runtime.parallel.heartbeat import GroupWatch
 from specdecode.runtime.parallel.step_channel import StepChannel
 from specdecode.runtime.parallel.pipeline import PipelineExecution, RelayedDrafts, proposes_on_verifier
 from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
@@ -29,20 +31,40 @@ WORKER_EXIT_GRACE_S = 30.0
 
 
 class Leader:
-    """Rank 0's hold on the group: the store, this pod's worker processes, the step channel."""
+    """Rank 0's hold on the group: the store, this pod's worker processes, the step channel, the
+    watch on every rank's heartbeat."""
 
-    def __init__(self, store: dist.TCPStore, workers: LocalWorkers):
+    def __init__(self, store: dist.TCPStore, workers: LocalWorkers, par: ParallelConfig):
         self.store = store  # the workers' rendezvous; kept alive with the group
         self.workers = workers
+        self.par = par
         self.channel: StepChannel | None = None  # once the group has formed
+        self.lost: str | None = None  # why the group is lost: a rank stopped beating
+        self._watch: GroupWatch | None = None
 
     @property
     def alive(self) -> bool:
-        """This pod's workers run and no step broke the group (ranks in other pods are watched by their own pod)."""
+        """This pod's workers run and the group is whole: no step broke it, every rank beats."""
         return self.workers.alive and not (self.channel is not None and self.channel.broken)
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Watch every other rank's heartbeat; once one stops: ``lost`` says why, and ``on_lost(line)``
+        runs on the watch's thread."""
+        def lost(line: str) -> None:
+            self.lost = line
+            if self.channel is not None:
+                self.channel.broken = True  # no step, nor the shutdown message, goes to a group short of a rank
+            on_lost(line)
+
+        timeout = self.par.group_heartbeat_timeout_s
+        store = store_client("127.0.0.1", self.store.port, timeout)
+        self._watch = GroupWatch(store, range(1, self.par.world_size), timeout, lost)
+        self._watch.start()
 
     def shutdown(self) -> None:
         """Tell the workers to stop, wait for them a while, kill what is left. Call with no step running."""
+        if self._watch is not None:
+            self._watch.stop()  # ranks stop beating as they exit: not a loss
         grace = 0.0
         if self.channel is not None:
             try:
@@ -59,7 +81,7 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
     par = cfg.parallel
     device = bind_device(cfg.load.device, 0, par.ranks_per_node)
     store = host_store(par)
-    leader = Leader(store, LocalWorkers(cfg, par.local_ranks[1:], "127.0.0.1", store.port))
+    leader = Leader(store, LocalWorkers(cfg, par.local_ranks[1:], "127.0.0.1", store.port), par)
     try:
         loaded = load_model(cfg.load, TensorParallel(0, par.tensor_parallel_size), rank_stage(cfg, 0))
         groups = join_group(store, par, 0, device, peers_alive=lambda: leader.workers.alive)

@@ -1,8 +1,8 @@
 """A pod's worker processes: every rank but global rank 0.
 
 Each is a spawned process (``worker_main``) that binds its device, loads its part of the model
-(its stage's layers, its tensor-parallel shard of them), joins the group and then runs every step
-rank 0 sends — with pipeline stages, on the hidden states the previous stage sends, and on the
+(its stage's layers, its tensor-parallel shard of them), joins the group, starts its heartbeat
+(``heartbeat``) and then runs every step rank 0 sends — with pipeline stages, on the hidden states the previous stage sends, and on the
 verifier rank verifying too — until rank 0 says stop or its connection closes.
 ``LocalWorkers`` starts and supervises them: they are daemonic (they never outlive a normal
 exit of the process that started them), ignore Ctrl-C (which reaches the whole process group;
@@ -27,7 +27,8 @@ from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
 from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import TensorParallel
-from specdecode.runtime.parallel.group import bind_device, connect_store, join_group
+from specdecode.runtime.parallel.group import bind_device, connect_store, join_group, store_client
+from specdecode.runtime.parallel.heartbeat import start_beating
 from specdecode.runtime.parallel.pipeline import PipelineTail, StageWorker
 from specdecode.runtime.parallel.step_channel import StepChannel
 from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
@@ -59,6 +60,8 @@ def worker_main(spec: WorkerSpec, joined: Connection) -> None:
     num_blocks = num_kv_blocks(cfg.cache, loaded.model, loaded.dtype)
     runner = ModelRunner(loaded.model, num_blocks, cfg.cache.block_size, loaded.device, loaded.dtype)
     groups = join_group(store, par, spec.rank, device)
+    beats = store_client(spec.store_addr, spec.store_port, par.group_heartbeat_timeout_s)
+    start_beating(beats, spec.rank, par.group_heartbeat_timeout_s)
     channel = StepChannel(groups.control, loaded.device)
     run = runner.forward
     if par.pipeline_parallel_size > 1:

@@ -162,8 +162,8 @@ def build_app(engine, server_cfg: ServerConfig) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        is_ready = bool(engine.ready) and not state.draining
-        status = "ready" if is_ready else ("draining" if state.draining else "loading")
+        is_ready = bool(engine.ready) and not state.draining and not engine.dead
+        status = "ready" if is_ready else ("dead" if engine.dead else "draining" if state.draining else "loading")
         return JSONResponse({"status": status}, status_code=200 if is_ready else 503)
 
     @app.get("/metrics")

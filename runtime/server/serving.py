@@ -4,7 +4,8 @@ Errors the engine raises before its first output (queue full, invalid request) b
 errors; a stream therefore starts (status 200) with the first output in hand. A client that goes
 away — while waiting, mid-stream, or before a non-streaming answer — closes the engine's
 generator, which aborts the request and frees its KV blocks. Requests still running when a drain's
-deadline passes are cut (the engine raises ``DrainDeadlinePassed`` to each): a stream ends with an
+deadline passes are cut (the engine raises ``DrainDeadlinePassed`` to each), and so are those in
+flight when a parallel group loses a rank (``EngineDead``, saying which): a stream ends with an
 error event and ``[DONE]``, a non-streaming request gets a 503.
 
 Tokenizing a prompt runs in a worker thread (the tokenizer releases the GIL), so a huge prompt
@@ -379,7 +380,7 @@ class OpenAIServing:
             await _unless_disconnected(self._drain(run), request)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except DrainDeadlinePassed as exc:
+        except (DrainDeadlinePassed, EngineDead) as exc:  # cut by the drain, or the group lost a rank
             raise self._overloaded(str(exc)) from None
         finally:
             await run.stream.aclose()
@@ -418,8 +419,8 @@ class OpenAIServing:
                                    usage=run.usage())
                 yield _sse(chunk.model_dump_json())
             yield _sse("[DONE]")
-        except DrainDeadlinePassed as exc:  # headers are sent: say so in the stream, then end it as streams end
-            log.warning("request %s (%s) cut at the drain deadline", run.request_id, run.response_id)
+        except (DrainDeadlinePassed, EngineDead) as exc:  # headers are sent: say so in the stream, then end it
+            log.warning("request %s (%s) cut: %s", run.request_id, run.response_id, exc)
             self.metrics.record_error(503)
             yield _sse(json.dumps(self._overloaded(str(exc)).body()))
             yield _sse("[DONE]")
