@@ -16,7 +16,10 @@ stored), and only when all would pass are they made, scale-downs first. Otherwis
 changes but the status: ``Ready=False`` with ``ChildRefused`` (a 4xx: the server's message) or
 ``ApplyFailed`` (anything else), a Warning Event, and ``WritesFailed``, which the change handlers
 turn into a retry with backoff. The user's HTTPRoute is patched after the children; a 4xx there
-is ``RouteRefused``.
+is ``RouteRefused``. Before the children, StatefulSet groups are healed (``group_restart``: their
+members recorded, every pod of a group whose member started again deleted, a ``GroupRestarted``
+Event) in a batch of their own, all or nothing too, so that a refused child never keeps a broken
+group from starting again.
 
 Configuration comes from the environment once, in the startup handler (``OperatorConfig``).
 
@@ -43,6 +46,7 @@ import kopf
 from specdecode.operator import kube, names
 from specdecode.operator.analysis import Verdict
 from specdecode.operator.failures import FAILED_CREATE, told_by_events
+from specdecode.operator.group_restart import GroupChange, group_changes, record_patch, restart_event
 from specdecode.operator.loop import Carried, Observed, Outcome, Unwritten, converge
 from specdecode.operator.metrics import OperatorMetrics
 from specdecode.operator.reconcile import (
@@ -310,15 +314,23 @@ class KubeBackend:
         changes = plan(r, observed.revision, t.replicas, observed.children, owner=self.body,
                        stable=t.status.stable_revision, canary=route_canary(t.status), kind=kind,
                        stable_kind=stable_kind)
+        restarts, unhealed = self._heal(observed)
         warnings, unwritten = _apply(self.cluster, changes)
         route_warnings, carried = [], unwritten is None
         if unwritten is None:  # the route follows the children, once they are written
             route_warnings, carried, unwritten = _route(self.cluster, r, t.status.rollout.canary_weight, self.logger)
         lws = stable_kind is WorkloadKind.LEADER_WORKER_SET
-        return Outcome(warnings=(*observed.kind_warnings, *warnings, *route_warnings), unwritten=unwritten,
-                       weight_carried=carried,
+        return Outcome(warnings=(*observed.kind_warnings, *warnings, *route_warnings), unwritten=unwritten or unhealed,
+                       weight_carried=carried, events=restarts,
                        status={"selector": names.label_selector(serving_selector(r, leader_worker_set=lws)),
                                "layout": r.layout.notation, "workload_kind": stable_kind})
+
+    def _heal(self, observed: KubeObserved) -> tuple[tuple[Event, ...], Unwritten | None]:
+        """Record the members of the StatefulSet groups whose pods are all Ready, and restart those
+        whose member started again (``group_restart``): the restarts' Events, or what was not written."""
+        groups = group_changes(observed.children, observed.pods)
+        unwritten = _attempt(_group_writes(self.cluster, groups))
+        return (tuple(restart_event(c) for c in groups if c.delete) if unwritten is None else ()), unwritten
 
     def serving_endpoints(self, r: Resolved, observed: KubeObserved, revision_: str) -> list[tuple[str, str]]:
         lws = observed.kind is WorkloadKind.LEADER_WORKER_SET
@@ -342,13 +354,19 @@ def _apply(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], Unwritten |
     Prometheus operator, is skipped) and what was not written: on any dry run's error nothing is,
     and a write that fails after its dry run passed stops the rest."""
     warnings, writes = _writes(cluster, changes)
+    return warnings, _attempt(writes)
+
+
+def _attempt(writes: Sequence[_Write]) -> Unwritten | None:
+    """Dry-run every write; only when all would pass, make them in order. What was not written:
+    everything on a dry run's error, the rest from a write that fails after its dry run passed."""
     failed = [(write.what, exc) for write in writes if (exc := write.attempt(dry_run=True))]
     if not failed:
         failed = next(([(write.what, exc)] for write in writes if (exc := write.attempt(dry_run=False))), [])
     if not failed:
-        return warnings, None
+        return None
     reason = CHILD_REFUSED if all(exc.refused for _, exc in failed) else APPLY_FAILED
-    return warnings, Unwritten(reason, "; ".join(f"{what}: {exc.message}" for what, exc in failed))
+    return Unwritten(reason, "; ".join(f"{what}: {exc.message}" for what, exc in failed))
 
 
 @dataclass(frozen=True)
@@ -369,20 +387,30 @@ class _Write:
 
 def _writes(cluster: kube.Cluster, changes: Plan) -> tuple[list[str], list[_Write]]:
     """The writes of ``changes`` in the order they are made, and warnings for the objects skipped."""
-    def named(obj: Mapping[str, Any], verb: str = "") -> str:
-        return f"{obj['kind']} {obj['metadata']['name']}" + (f" ({verb})" if verb else "")
-
-    writes = [*(_Write(named(o, "delete"), cluster.delete, (o,)) for o in changes.delete),
-              *(_Write(named(o, f"scale to {o['spec']['replicas']}"), cluster.patch, (o,)) for o in changes.scale),
-              *(_Write(named(live, "hand-over of earlier fields"), cluster.hand_over, (live, managed))
+    writes = [*(_Write(_named(o, "delete"), cluster.delete, (o,)) for o in changes.delete),
+              *(_Write(_named(o, f"scale to {o['spec']['replicas']}"), cluster.patch, (o,)) for o in changes.scale),
+              *(_Write(_named(live, "hand-over of earlier fields"), cluster.hand_over, (live, managed))
                 for live, managed in changes.hand_over)]
     warnings = []
     for obj in changes.apply:
         if cluster.serves(obj["apiVersion"]):
-            writes.append(_Write(named(obj), cluster.apply, (obj,)))
+            writes.append(_Write(_named(obj), cluster.apply, (obj,)))
         else:
-            warnings.append(f"{named(obj)} not created: the cluster does not serve {obj['apiVersion']}")
+            warnings.append(f"{_named(obj)} not created: the cluster does not serve {obj['apiVersion']}")
     return warnings, writes
+
+
+def _group_writes(cluster: kube.Cluster, changes: Sequence[GroupChange]) -> list[_Write]:
+    """The pod deletes of the groups to restart, then the members to record."""
+    return [*(_Write(_named(pod, "delete: its group restarts"), cluster.delete, (pod,))
+              for change in changes for pod in change.delete),
+            *(_Write(_named(change.group, "record of the group's members"), cluster.patch,
+                     (record_patch(change.group, change.record),)) for change in changes if change.record is not None)]
+
+
+def _named(obj: Mapping[str, Any], verb: str = "") -> str:
+    """How a status message names an object written to: 'StatefulSet demo-3f2a-0 (delete)'."""
+    return f"{obj['kind']} {obj['metadata']['name']}" + (f" ({verb})" if verb else "")
 
 
 def _route(cluster: kube.Cluster, r: Resolved, canary_weight: int | None,

@@ -127,7 +127,8 @@ def resync(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, *
 def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logger: logging.Logger,
                      **_: Any) -> None:
     """A workload's readiness moves the rollout on (and a deleted one is made again); a runtime
-    pod that refuses to start, or starts again, shows in the status."""
+    pod that refuses to start, or starts again, shows in the status; a pod of a StatefulSet group
+    that starts again (every pod event: a restartCount changed, a pod replaced) restarts its group."""
     reconcile_without_retry(memo.ctx, namespace, labels[names.LABEL_INSTANCE], logger)
 
 

@@ -248,8 +248,9 @@ class Cluster:
         return True
 
     def delete(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> None:
-        """Delete ``obj``; its answer is not parsed (an API server before 1.23 answers a Service
-        DELETE with a Status, which the client would fail to read as a Service)."""
+        """Delete ``obj`` (a child, or a runtime pod); its answer is not parsed (an API server
+        before 1.23 answers a Service DELETE with a Status, which the client would fail to read as
+        a Service)."""
         kind, meta = kind_of(obj), obj["metadata"]
         options = {"dry_run": DRY_RUN if dry_run else None, "_preload_content": False}
         with _as_write_failed(), _gone_is_fine():  # already gone is what we wanted
@@ -257,7 +258,8 @@ class Cluster:
                 answer = self._custom.delete_namespaced_custom_object(
                     kind.group, kind.version, meta["namespace"], kind.plural, meta["name"], **options)
             else:
-                answer = self._core.delete_namespaced_service(meta["name"], meta["namespace"], **options)
+                remove = {SERVICE: self._core.delete_namespaced_service, POD: self._core.delete_namespaced_pod}[kind]
+                answer = remove(meta["name"], meta["namespace"], **options)
             answer.drain_conn()
 
     def pods(self, namespace: str, labels: Mapping[str, str]) -> list[Obj]:

@@ -44,6 +44,8 @@ ANNOTATION_RETRY = f"{GROUP}/retry"  # start the rolled-back revision's canary a
 ANNOTATION_WORKLOAD_KIND = f"{GROUP}/workload-kind"
 # on each child: a hash of what the operator last applied to it (applied again when it differs)
 ANNOTATION_APPLIED = f"{GROUP}/applied"
+# on a StatefulSet group: its pods (uid, runtime restarts) when last all Ready (see group_restart)
+ANNOTATION_GROUP_MEMBERS = f"{GROUP}/group-members"
 
 # -- ports, paths, container and volume names ---------------------------------------------------
 CONTAINER = "runtime"

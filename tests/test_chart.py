@@ -319,7 +319,7 @@ EXPECTED_RULES = {
     ("policy", "poddisruptionbudgets"): APPLIED,
     ("monitoring.coreos.com", "servicemonitors"): APPLIED,
     ("gateway.networking.k8s.io", "httproutes"): ["get", "patch"],
-    ("", "pods"): ["list", "watch"],
+    ("", "pods"): ["list", "watch", "delete"],  # delete: a StatefulSet group restarted whole
     ("", "events"): ["create", "list"],
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
     ("kopf.dev", "clusterkopfpeerings"): ["list", "watch", "patch"],
