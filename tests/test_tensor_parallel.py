@@ -31,6 +31,7 @@ from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, Par
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
+from specdecode.runtime.parallel.group import _wait_for_every_rank, connect_store, host_store
 from specdecode.runtime.parallel.heartbeat import Beats
 from specdecode.runtime.serve_flags import engine_config
 
@@ -294,6 +295,16 @@ def test_a_rank_whose_counter_stops_moving_is_lost_after_the_timeout_and_not_bef
     assert beats.observe({1: 1, 2: 0}, now=3.5) == [2]
     assert beats.observe({1: 1, 2: 1}, now=6.0) == []  # rank 1 moved at 3.5; rank 2 is back
     assert beats.observe({1: 1, 2: 2}, now=6.6) == [1]
+
+
+def test_a_rank_that_starts_again_while_its_group_stands_is_refused_at_the_rendezvous():
+    cfg = ParallelConfig(tensor_parallel_size=2, rendezvous_timeout_s=5)
+    store = host_store(cfg)
+    worker = connect_store(cfg, "127.0.0.1", store.port)
+    worker.set("loaded/1", "1")  # rank 1 loaded and joined the first time
+    _wait_for_every_rank(store, cfg, 0, lambda: True)
+    with pytest.raises(RuntimeError, match="has formed already, without this rank"):
+        _wait_for_every_rank(worker, cfg, 1, lambda: True)  # rank 1 again, its leader never restarted
 
 
 @pytest.mark.timeout(90)

@@ -5,7 +5,10 @@ store binds it (no bind-then-release race, no clash with another listener), acro
 MASTER_PORT (taken → the bind fails at once, naming the port). Every rank loads its part first,
 then announces itself in the store and waits for all the others (``rendezvous_timeout_s``:
 loading takes a while, and pods start at different times); only then are the groups created, so
-their collectives can have a short timeout (``collective_timeout_s``):
+their collectives can have a short timeout (``collective_timeout_s``). A rank that finds the group
+formed already (a worker pod restarted while its leader still runs, until the leader sees its
+heartbeat gone) fails at once rather than join a group that cannot take it; it meets the
+restarted leader on its own next start.
 
 - the default group over every rank (NCCL on CUDA, gloo on the CPU): each step's inputs from rank
   0, the hidden states a stage hands the next, the verdicts back to rank 0;
@@ -33,6 +36,7 @@ from specdecode.runtime.device import resolve_device
 from specdecode.runtime.models.tensor_parallel import set_tensor_group
 
 IDLE_WAIT = timedelta(days=365)  # how long a worker waits for rank 0's next step
+FORMED_KEY = "formed"  # set by rank 0 once every rank has loaded: a rank arriving later is a restarted one
 _POLL_S = 0.05
 
 
@@ -106,6 +110,9 @@ def join_group(
 def _wait_for_every_rank(
     store: dist.TCPStore, cfg: ParallelConfig, rank: int, peers_alive: Callable[[], bool]
 ) -> None:
+    if rank > 0 and store.check([FORMED_KEY]):
+        raise RuntimeError("the group at this rendezvous has formed already, without this rank: this rank "
+                           "started again while its leader still runs; it can join once the leader has started again")
     store.set(_loaded_key(rank), "1")
     keys = [_loaded_key(r) for r in range(cfg.world_size)]
     deadline = time.monotonic() + cfg.rendezvous_timeout_s
@@ -117,6 +124,8 @@ def _wait_for_every_rank(
             raise TimeoutError(f"ranks {missing} did not load their part of the model within "
                                f"{cfg.rendezvous_timeout_s:.0f}s")
         time.sleep(_POLL_S)
+    if rank == 0:
+        store.set(FORMED_KEY, "1")
 
 
 def _loaded_key(rank: int) -> str:
