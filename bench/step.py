@@ -7,7 +7,12 @@ sequence (the rows actually verified are reported). Per case the *worker* (``wor
 file run as a script) prefills B prompts of L tokens, steps a few times to warm up, then times
 ``--steps`` steps (ms per step, tokens emitted per second) and profiles two more: the bytes that
 copying ops (``COPY_OPS``) called inside ``paged_attention`` allocate per step, found through the
-profiler's Python stacks, so neither version is patched.
+profiler's Python stacks, so neither version is patched. Two more steps are counted under torch's
+function and dispatch modes: *syncs*, the Tensor→Python conversions (``SYNCS``) and the aten ops
+whose output size depends on data (``SYNCING_OPS``, boolean-mask indexing) — each a host↔device
+sync on an accelerator, counted on the CPU by the same calls (host-built tensors read back count
+too) — and *ops*, the aten ops dispatched (each a kernel launch or more on an accelerator). A step whose syncs or ops grow with the batch loops per
+sequence in Python.
 
 The worker imports nothing of the bench package and only engine APIs older checkouts have too, so
 the same file runs under the baseline's interpreter (``--baseline DIR``: ``DIR/.venv/bin/python``)
@@ -38,6 +43,8 @@ PREFILL_BUDGET = 8192  # tokens per step while prefilling (fewer prefill steps: 
 SCOPE = "paged_attention"  # the function whose copies are counted
 COPY_OPS = frozenset({"aten::index_select", "aten::index", "aten::gather", "aten::cat", "aten::stack",
                       "aten::contiguous", "aten::clone", "aten::copy_", "aten::_to_copy", "aten::repeat"})
+SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})  # and .to(cpu)
+SYNCING_OPS = frozenset({"aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique2"})
 COUNTED = (f"bytes allocated per step by {', '.join(sorted(op.removeprefix('aten::') for op in COPY_OPS))} "
            f"called inside {SCOPE} (each op with what it calls; profiler, {PROFILE_STEPS} steps)")
 
@@ -167,7 +174,7 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
 
 
 MEDIANS = ("ms_per_step", "tokens_per_s", "rows_per_step", "attention_copied_bytes_per_step",
-           "attention_largest_copy_bytes")
+           "attention_largest_copy_bytes", "syncs_per_step", "ops_per_step")
 
 
 def _git_state(root: Path) -> dict[str, object]:
@@ -189,7 +196,7 @@ def format_table(report: dict) -> str:
             f"attention bytes copied = {report['attention_bytes_counted']}"]
     cols = ["case", "rows/step"] + [f"{n} ms/step" for n in names] + (["ratio"] if both else []) \
         + [f"{n} tok/s" for n in names] + [f"{n} attn copied/step" for n in names] \
-        + [f"{n} largest copy" for n in names]
+        + [f"{n} largest copy" for n in names] + [f"{n} syncs/step" for n in names] + [f"{n} ops/step" for n in names]
     lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in report["cases"]:
         cells = [row["case"], " / ".join(f"{row[n]['rows_per_step']:.1f}" for n in names)]
@@ -198,6 +205,7 @@ def format_table(report: dict) -> str:
         cells += [f"{row[n]['tokens_per_s']:.1f}" for n in names]
         cells += [_bytes(row[n]["attention_copied_bytes_per_step"]) for n in names]
         cells += [_bytes(row[n]["attention_largest_copy_bytes"]) for n in names]
+        cells += [f"{row[n]['syncs_per_step']:.0f}" for n in names] + [f"{row[n]['ops_per_step']:.0f}" for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -294,6 +302,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
     seconds = time.perf_counter() - start
     emitted, drafts = sum(s.num_output_tokens for s in running) - emitted, _draft_tokens(engine) - drafts
     copied, largest, by_op = _attention_copies(engine)
+    syncs, ops = _step_counts(engine)
     if len(running) != case.batch or any(s.num_output_tokens >= max_tokens for s in running):
         raise RuntimeError(f"{case.label}: a sequence stopped while measured")
     del engine
@@ -303,7 +312,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
     return {**case.__dict__, "ms_per_step": 1000 * seconds / steps, "tokens_per_s": emitted / seconds,
             "rows_per_step": case.batch + drafts / steps, "context_at_start": context_at_start,
             "attention_copied_bytes_per_step": copied, "attention_largest_copy_bytes": largest,
-            "attention_copied_bytes_by_op": by_op}
+            "attention_copied_bytes_by_op": by_op, "syncs_per_step": syncs, "ops_per_step": ops}
 
 
 def _engine(loaded, case: Case, steps: int):
@@ -316,7 +325,7 @@ def _engine(loaded, case: Case, steps: int):
     from specdecode.runtime.engine.sequence import SamplingParams
 
     prefill_steps = math.ceil(case.batch * case.context / PREFILL_BUDGET) + 1
-    max_tokens = (prefill_steps + WARMUP_STEPS + steps + PROFILE_STEPS + 2) * (case.k + 1)
+    max_tokens = (prefill_steps + WARMUP_STEPS + steps + 2 * PROFILE_STEPS + 2) * (case.k + 1)
     max_model_len = case.context + max_tokens + case.k + 2
     if max_model_len > loaded.max_model_len:
         raise SystemExit(f"bench-step: {case.label} needs {max_model_len} positions; "
@@ -372,6 +381,38 @@ def _attention_copies(engine) -> tuple[float, float, dict[str, float]]:
         else:
             stack.extend(event.cpu_children)
     return sum(by_op.values()), largest, by_op
+
+
+
+def _step_counts(engine) -> tuple[float, float]:
+    """Per step over ``PROFILE_STEPS`` steps: syncs (``SYNCS``, ``.to`` a CPU device, ``SYNCING_OPS``,
+    indexing by a boolean mask) and aten ops dispatched."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"syncs": 0, "ops": 0}
+
+    class Syncs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            to_cpu = name == "to" and any(str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device")))
+            counts["syncs"] += name in SYNCS or to_cpu
+            return func(*args, **kwargs)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts["ops"] += 1
+            masked = func.name() == "aten::index.Tensor" and any(
+                getattr(i, "dtype", None) == torch.bool for i in args[1])
+            counts["syncs"] += masked or func._schema.name in SYNCING_OPS
+            return func(*args, **(kwargs or {}))
+
+    with Syncs(), Ops():
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+    return counts["syncs"] / PROFILE_STEPS, counts["ops"] / PROFILE_STEPS
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     assert measured["ms_per_step"] > 0 and measured["tokens_per_s"] > 0 and measured["rows_per_step"] == 1.0
     assert measured["attention_copied_bytes_per_step"] >= 0 and measured["attention_largest_copy_bytes"] > 0
     assert measured["context_at_start"] >= 65
+    assert measured["syncs_per_step"] >= 1 and measured["ops_per_step"] > 100  # the sampled token is read back
     assert "ratio_ms_per_step" not in case
     assert next(out.glob("step-*.png")).read_bytes().startswith(b"\x89PNG")
     assert "| B=1 L=64 K=0 | 1.0 |" in capsys.readouterr().out
@@ -178,4 +179,6 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     assert step.format_table(report).startswith("bench-step: m (dummy weights) on CPU")
     assert report["cases"][0]["ratio_ms_per_step"] == pytest.approx((0.5 + 0.825) / 2)  # not 215 / 300
     assert "| B=1 L=64 K=0 | 1.0 / 1.0 | 300.0 | 215.0 | 0.66× |" in step.format_table(report)
-    assert step.format_table(report).split("\n")[-1].endswith("| 400.0 MB | 0 B | 10.0 MB | 0 B |")
+    syncs, ops = f"{measured['syncs_per_step']:.0f}", f"{measured['ops_per_step']:.0f}"
+    assert step.format_table(report).split("\n")[-1].endswith(
+        f"| 400.0 MB | 0 B | 10.0 MB | 0 B | {syncs} | {syncs} | {ops} | {ops} |")
