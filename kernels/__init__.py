@@ -15,9 +15,14 @@ A verify kernel therefore emits, per row, ``num_accepted + 1`` tokens (the accep
 recovered or bonus token) into an output ``[B, K+1]`` padded with ``PLACEHOLDER_TOKEN_ID``:
 ``num_accepted = (out != PLACEHOLDER_TOKEN_ID).sum(1) - 1``.
 
+The model's fused elementwise kernels live here too (``rmsnorm``, ``rope``, ``activation``): each
+reference is what the decoder computed inline before, so the CPU path is unchanged by them.
+
 Dispatch: each public function takes ``use_triton: bool | None``; ``None`` picks the Triton kernel
-when every tensor argument is on CUDA and the torch reference otherwise; ``True`` forces Triton (on
-CPU tensors that needs ``TRITON_INTERPRET=1`` set before triton is first imported, as the tests do).
+when every tensor argument is on CUDA and autograd records none of them, and the torch reference
+otherwise (the kernels have no backward; the MTP trainer runs the decoder blocks with gradients);
+``True`` forces Triton (on CPU tensors that needs ``TRITON_INTERPRET=1`` set before triton is first
+imported, as the tests do).
 
 This package imports nothing else of ours.
 """
@@ -29,10 +34,13 @@ PLACEHOLDER_TOKEN_ID = -1  # pads draft and output token rows; never a real toke
 
 
 def use_triton_for(use_triton: bool | None, *tensors: torch.Tensor | None) -> bool:
-    """The dispatch rule above: an explicit choice wins, else Triton iff all given tensors are on CUDA."""
+    """The dispatch rule above: an explicit choice wins, else Triton iff all given tensors are on CUDA
+    and none needs a gradient."""
     if use_triton is not None:
         return use_triton
-    return all(t.is_cuda for t in tensors if t is not None)
+    given = [t for t in tensors if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in given)
+    return all(t.is_cuda for t in given) and not needs_grad
 
 
 def check_tensor(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
