@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specdecode.kernels.activation import silu_and_mul
+from specdecode.kernels.rmsnorm import fused_add_rms_norm
+from specdecode.kernels.rope import apply_rope
 from specdecode.runtime.models.attention import AttentionBatch, paged_attention
 from specdecode.runtime.models.linear import Linear, linear
 from specdecode.runtime.models.model_config import ModelConfig
@@ -26,10 +28,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim] → [T, dim]
+        return fused_add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x, then its norm, in one pass: x, residual [T, dim] → (normed, residual + x) [T, dim]."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -44,12 +48,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        # x: [T, heads, head_dim], positions: [T] → [T, heads, head_dim]
+        return apply_rope(x, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -95,8 +95,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 · intermediate] → [T, intermediate]
 
 
 class DecoderLayer(nn.Module):
@@ -112,8 +111,8 @@ class DecoderLayer(nn.Module):
 
     def run(self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The block around any attention (paged here; dense with its own mask when training MTP heads)."""
-        x = x + attention(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_and_norm(attention(self.input_layernorm(x)), x)  # x += attention
+        return x + self.mlp(h)
 
 
 class DecoderBody(nn.Module):
