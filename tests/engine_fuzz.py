@@ -465,7 +465,8 @@ class Judge:
             assert {got[i], expected[i]} == set(ids.tolist()) and gap < 1e-4, f"{message} (no near-tie: gap {gap:.2e})"
             return
         probs = sampling_probs(logits[None], [self.params])[0].double()
-        threshold = rng.uniform(self.params.seed + index, len(self.request.prompt) + i, rng.Stream.SAMPLE) * probs.sum()
+        key = torch.tensor([self.params.seed + index]), torch.tensor([len(self.request.prompt) + i])
+        threshold = rng.device_uniforms(*key, 1, rng.Stream.SAMPLE).item() * probs.sum()
         upper = probs.cumsum(0)
         lower = upper - probs
         drawn = ((lower - SAMPLING_TIE <= threshold) & (threshold < upper + SAMPLING_TIE) & (probs > 0)).nonzero()

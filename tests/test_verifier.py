@@ -133,7 +133,8 @@ def test_a_draft_of_target_probability_zero_is_rejected_at_accept_uniform_zero(z
     """Seed 6116899 at position 10 draws an accept uniform of exactly 0, where ``u * q(x) <= p(x)``
     holds for p(x) = 0: the draft (the target's second best, forbidden by the grammar or cut by
     top_k = 1) must still be rejected, and the recovered token is one the target allows."""
-    assert rng.uniform(ZERO_ACCEPT_SEED, ZERO_ACCEPT_POSITION, rng.Stream.ACCEPT) == 0.0
+    key = torch.tensor([ZERO_ACCEPT_SEED]), torch.tensor([ZERO_ACCEPT_POSITION])
+    assert rng.device_uniforms(*key, 1, rng.Stream.ACCEPT).item() == 0.0
     vocab = 16
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))  # [K+1=2, V]
     best, draft = logits[0].argsort(descending=True)[:2].tolist()

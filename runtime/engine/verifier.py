@@ -86,11 +86,13 @@ class Verifier:
         params = [rows[i].params for i in which for _ in range(width)]
         probs = sampling_probs(logits.index_select(0, flat), params).view(len(which), width, -1)  # [S, K+1, V]
         drafts, num_drafts = self._drafts(rows, width, which, dev)
-        sample_u = rng.as_tensor([self._uniforms(rows[i], width, rng.Stream.SAMPLE) for i in which], width, dev)
+        keys = torch.tensor([(rows[i].seed, rows[i].first_position) for i in which], dtype=torch.long, device=dev)
+        seeds, first_positions = keys.unbind(1)  # [S] each, from one transfer
+        sample_u = rng.device_uniforms(seeds, first_positions, width, rng.Stream.SAMPLE)  # [S, K+1]
         if self.strategy is VerifyStrategy.TARGET_MATCH:
             result = target_match_verify(drafts, num_drafts, probs, sample_u)
         elif self.strategy is VerifyStrategy.REJECTION:
-            accept_u = rng.as_tensor([self._uniforms(rows[i], width - 1, rng.Stream.ACCEPT) for i in which], width - 1, dev)
+            accept_u = rng.device_uniforms(seeds, first_positions, width - 1, rng.Stream.ACCEPT)  # [S, K]
             result = rejection_verify(drafts, num_drafts, probs, self._draft_probs(rows, which, probs), accept_u, sample_u)
         else:
             top_p = torch.full((len(which),), self.verify_top_p, device=dev)
@@ -118,10 +120,6 @@ class Verifier:
                 drafts = torch.tensor(row.draft_token_ids, dtype=torch.long, device=q.device)
                 q[b, torch.arange(num, device=q.device), drafts] = 1.0
         return q
-
-    @staticmethod
-    def _uniforms(row: SamplerRow, count: int, stream: rng.Stream) -> list[float]:
-        return rng.uniforms(row.seed, row.first_position, count, stream)
 
     @staticmethod
     def _pad_index(rows, starts, width, which, device) -> torch.Tensor:  # [len(which), width] long

@@ -69,10 +69,11 @@ def choose_drafts(
     q = torch.nn.functional.one_hot(tokens, logits.shape[1]).float() if want_probs else None  # [N, V']
     sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        keys = [(b, seqs[b].seed, len(seqs[b]) + j) for b in sampled]
+        index, seeds, positions = torch.tensor(keys, dtype=torch.long, device=logits.device).unbind(1)  # [S] each
         q_sampled = sampling_probs(logits.index_select(0, index), [seqs[b].params for b in sampled])  # [S, V']
-        u = [rng.uniform(seqs[b].seed, len(seqs[b]) + j, rng.Stream.DRAFT) for b in sampled]
-        tokens[index] = inverse_cdf_sample(q_sampled, torch.tensor(u, dtype=torch.float32, device=logits.device))
+        u = rng.device_uniforms(seeds, positions, 1, rng.Stream.DRAFT)[:, 0]  # [S]
+        tokens[index] = inverse_cdf_sample(q_sampled, u)
         q[index] = q_sampled
     return tokens, q
 
