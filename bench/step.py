@@ -11,7 +11,9 @@ profiler's Python stacks, so neither version is patched. Two more steps are coun
 function and dispatch modes: *syncs*, the Tensor→Python conversions (``SYNCS``) and the aten ops
 whose output size depends on data (``SYNCING_OPS``, boolean-mask indexing) — each a host↔device
 sync on an accelerator, counted on the CPU by the same calls (host-built tensors read back count
-too) — and *ops*, the aten ops dispatched (each a kernel launch or more on an accelerator). A step whose syncs or ops grow with the batch loops per
+too) —, *uploads*, the host→device copies (``torch.tensor``/``as_tensor`` given a device, a
+non-blocking ``.to``), and *ops*, the aten ops dispatched (each a kernel launch or more on an
+accelerator). A step whose syncs or ops grow with the batch loops per
 sequence in Python.
 
 The worker imports nothing of the bench package and only engine APIs older checkouts have too, so
@@ -173,8 +175,9 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
     }
 
 
+COUNTS = ("syncs", "uploads", "ops")  # per step, by _step_counts
 MEDIANS = ("ms_per_step", "tokens_per_s", "rows_per_step", "attention_copied_bytes_per_step",
-           "attention_largest_copy_bytes", "syncs_per_step", "ops_per_step")
+           "attention_largest_copy_bytes", "syncs_per_step", "uploads_per_step", "ops_per_step")
 
 
 def _git_state(root: Path) -> dict[str, object]:
@@ -196,7 +199,7 @@ def format_table(report: dict) -> str:
             f"attention bytes copied = {report['attention_bytes_counted']}"]
     cols = ["case", "rows/step"] + [f"{n} ms/step" for n in names] + (["ratio"] if both else []) \
         + [f"{n} tok/s" for n in names] + [f"{n} attn copied/step" for n in names] \
-        + [f"{n} largest copy" for n in names] + [f"{n} syncs/step" for n in names] + [f"{n} ops/step" for n in names]
+        + [f"{n} largest copy" for n in names] + [f"{n} {what}/step" for what in COUNTS for n in names]
     lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in report["cases"]:
         cells = [row["case"], " / ".join(f"{row[n]['rows_per_step']:.1f}" for n in names)]
@@ -205,7 +208,7 @@ def format_table(report: dict) -> str:
         cells += [f"{row[n]['tokens_per_s']:.1f}" for n in names]
         cells += [_bytes(row[n]["attention_copied_bytes_per_step"]) for n in names]
         cells += [_bytes(row[n]["attention_largest_copy_bytes"]) for n in names]
-        cells += [f"{row[n]['syncs_per_step']:.0f}" for n in names] + [f"{row[n]['ops_per_step']:.0f}" for n in names]
+        cells += [f"{row[n][f'{what}_per_step']:.0f}" for what in COUNTS for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -302,7 +305,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
     seconds = time.perf_counter() - start
     emitted, drafts = sum(s.num_output_tokens for s in running) - emitted, _draft_tokens(engine) - drafts
     copied, largest, by_op = _attention_copies(engine)
-    syncs, ops = _step_counts(engine)
+    counts = _step_counts(engine)
     if len(running) != case.batch or any(s.num_output_tokens >= max_tokens for s in running):
         raise RuntimeError(f"{case.label}: a sequence stopped while measured")
     del engine
@@ -312,7 +315,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
     return {**case.__dict__, "ms_per_step": 1000 * seconds / steps, "tokens_per_s": emitted / seconds,
             "rows_per_step": case.batch + drafts / steps, "context_at_start": context_at_start,
             "attention_copied_bytes_per_step": copied, "attention_largest_copy_bytes": largest,
-            "attention_copied_bytes_by_op": by_op, "syncs_per_step": syncs, "ops_per_step": ops}
+            "attention_copied_bytes_by_op": by_op, **counts}
 
 
 def _engine(loaded, case: Case, steps: int):
@@ -384,21 +387,24 @@ def _attention_copies(engine) -> tuple[float, float, dict[str, float]]:
 
 
 
-def _step_counts(engine) -> tuple[float, float]:
-    """Per step over ``PROFILE_STEPS`` steps: syncs (``SYNCS``, ``.to`` a CPU device, ``SYNCING_OPS``,
-    indexing by a boolean mask) and aten ops dispatched."""
+def _step_counts(engine) -> dict[str, float]:
+    """Per step over ``PROFILE_STEPS`` steps: syncs (``SYNCS``, a blocking ``.to`` a CPU device,
+    ``SYNCING_OPS``, indexing by a boolean mask), uploads and aten ops dispatched."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    counts = {"syncs": 0, "ops": 0}
+    counts = {"syncs": 0, "uploads": 0, "ops": 0}
 
     class Syncs(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = getattr(func, "__name__", "")
-            to_cpu = name == "to" and any(str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device")))
-            counts["syncs"] += name in SYNCS or to_cpu
+            blocking_to_cpu = name == "to" and not kwargs.get("non_blocking") and any(
+                str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device")))
+            counts["syncs"] += name in SYNCS or blocking_to_cpu
+            counts["uploads"] += (name in ("tensor", "as_tensor") and "device" in kwargs) or (
+                name == "to" and bool(kwargs.get("non_blocking")))
             return func(*args, **kwargs)
 
     class Ops(TorchDispatchMode):
@@ -412,7 +418,7 @@ def _step_counts(engine) -> tuple[float, float]:
     with Syncs(), Ops():
         for _ in range(PROFILE_STEPS):
             engine.step()
-    return counts["syncs"] / PROFILE_STEPS, counts["ops"] / PROFILE_STEPS
+    return {f"{name}_per_step": count / PROFILE_STEPS for name, count in counts.items()}
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     assert measured["attention_copied_bytes_per_step"] >= 0 and measured["attention_largest_copy_bytes"] > 0
     assert measured["context_at_start"] >= 65
     assert measured["syncs_per_step"] >= 1 and measured["ops_per_step"] > 100  # the sampled token is read back
+    assert measured["uploads_per_step"] >= 1  # the step's inputs
     assert "ratio_ms_per_step" not in case
     assert next(out.glob("step-*.png")).read_bytes().startswith(b"\x89PNG")
     assert "| B=1 L=64 K=0 | 1.0 |" in capsys.readouterr().out
@@ -179,6 +180,5 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     assert step.format_table(report).startswith("bench-step: m (dummy weights) on CPU")
     assert report["cases"][0]["ratio_ms_per_step"] == pytest.approx((0.5 + 0.825) / 2)  # not 215 / 300
     assert "| B=1 L=64 K=0 | 1.0 / 1.0 | 300.0 | 215.0 | 0.66× |" in step.format_table(report)
-    syncs, ops = f"{measured['syncs_per_step']:.0f}", f"{measured['ops_per_step']:.0f}"
-    assert step.format_table(report).split("\n")[-1].endswith(
-        f"| 400.0 MB | 0 B | 10.0 MB | 0 B | {syncs} | {syncs} | {ops} | {ops} |")
+    counts = " | ".join(f"{measured[f'{what}_per_step']:.0f}" for what in step.COUNTS for _ in range(2))
+    assert step.format_table(report).split("\n")[-1].endswith(f"| 400.0 MB | 0 B | 10.0 MB | 0 B | {counts} |")

@@ -1,9 +1,10 @@
 """Owns the KV pools and runs one target forward per step over every scheduled token: the logits
 of the rows that decide tokens, and every row's hidden state (what an MTP head drafts from).
 
-All host→device traffic of a step happens in ``prepare``: the flat token batch, positions,
-slot mapping and the attention metadata (block tables, sequence lengths, query offsets) are built
-on the host and moved once. Under tensor
+All host→device traffic of the forward's inputs happens in ``prepare``: the flat token batch,
+the rows to sample, positions, slot mapping and the attention metadata (block tables, sequence
+lengths, query offsets) are built on the host as lists and moved in one non-blocking copy from
+pinned memory (``upload``): no sync with the device. Under tensor
 parallelism rank 0's runner hands what ``prepare`` built to its ``StepChannel``, which sends it
 to the other ranks and runs the forward in lockstep with theirs; each rank's pools hold its own
 KV heads under the same block tables.
@@ -116,10 +117,10 @@ class ModelRunner:
             if item.samples:
                 sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
         spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
-        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
-        to = dict(device=self.device, dtype=torch.long)
-        return PreparedStep(torch.tensor(tokens, **to), batch, torch.tensor(sample_rows, **to),
-                            torch.tensor(prompt_rows, **to), prompt_token_ids, prompt_num_top, self.null_block)
+        lists = attention_lists(spans, self.block_size, self.null_block)
+        input_ids, sample_at, prompt_at, *batch = upload([tokens, sample_rows, prompt_rows, *lists.parts], self.device)
+        return PreparedStep(input_ids, lists.batch(batch), sample_at, prompt_at, prompt_token_ids, prompt_num_top,
+                            self.null_block)
 
 
 @dataclass
@@ -162,7 +163,36 @@ class Span:
     hidden_keys: tuple[int, ...] = ()
 
 
-def build_attention_batch(spans: list[Span], block_size: int, null_block: int, device: torch.device) -> AttentionBatch:
+@dataclass
+class AttentionLists:
+    """``AttentionBatch``'s metadata as host lists, to go to the device with the step's other inputs."""
+
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]
+    tables: list[int]  # [B·M], padded with the null block
+    seq_lens: list[int]  # [B]
+    starts: list[int]  # [B + 1]
+    hidden_keys: list[int]  # [B·H], −1 padded; empty without hidden keys
+    num_seqs: int  # B
+    width: int  # M, blocks per table
+    hidden_width: int  # H
+    block_size: int
+    max_query_len: int
+
+    @property
+    def parts(self) -> list[list[int]]:
+        return [self.positions, self.slots, self.tables, self.seq_lens, self.starts, self.hidden_keys]
+
+    def batch(self, parts: list[torch.Tensor]) -> AttentionBatch:
+        """The batch over ``parts``: these lists on the device, in ``parts`` order (``upload``)."""
+        positions, slots, tables, seq_lens, starts, hidden = parts
+        return AttentionBatch(positions=positions, slot_mapping=slots, block_tables=tables.view(self.num_seqs, self.width),
+                              seq_lens=seq_lens, query_start=starts, block_size=self.block_size,
+                              max_query_len=self.max_query_len,
+                              hidden_keys=hidden.view(self.num_seqs, self.hidden_width) if self.hidden_width else None)
+
+
+def attention_lists(spans: list[Span], block_size: int, null_block: int) -> AttentionLists:
     """Positions, KV slots and the attention metadata for a flat batch of ``spans`` laid out in
     order; block tables padded with ``null_block``."""
     positions: list[int] = []
@@ -172,20 +202,28 @@ def build_attention_batch(spans: list[Span], block_size: int, null_block: int, d
             positions.append(pos)
             slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
     width = max((len(span.block_table) for span in spans), default=0)
-    tables = [span.block_table + [null_block] * (width - len(span.block_table)) for span in spans]
     starts = [0]
     for span in spans:
         starts.append(starts[-1] + span.count)
     hidden_width = max((len(span.hidden_keys) for span in spans), default=0)
-    to = dict(device=device, dtype=torch.long)
-    return AttentionBatch(
-        positions=torch.tensor(positions, **to), slot_mapping=torch.tensor(slots, **to),
-        block_tables=torch.tensor(tables, **to).view(len(spans), width),
-        seq_lens=torch.tensor([span.start + span.count for span in spans], **to),
-        query_start=torch.tensor(starts, **to), block_size=block_size,
-        max_query_len=max((span.count for span in spans), default=0),
-        hidden_keys=torch.tensor([list(span.hidden_keys) + [-1] * (hidden_width - len(span.hidden_keys))
-                                  for span in spans], **to) if hidden_width else None)
+    return AttentionLists(
+        positions, slots, [b for span in spans for b in span.block_table + [null_block] * (width - len(span.block_table))],
+        [span.start + span.count for span in spans], starts,
+        [k for span in spans for k in list(span.hidden_keys) + [-1] * (hidden_width - len(span.hidden_keys))],
+        len(spans), width, hidden_width, block_size, max((span.count for span in spans), default=0))
+
+
+def build_attention_batch(spans: list[Span], block_size: int, null_block: int, device: torch.device) -> AttentionBatch:
+    """``attention_lists`` of ``spans`` on ``device`` (one copy)."""
+    lists = attention_lists(spans, block_size, null_block)
+    return lists.batch(upload(lists.parts, device))
+
+
+def upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Long lists to ``device`` in one copy: one host tensor (pinned on CUDA, so the copy runs
+    asynchronously and the host goes on building), one non-blocking transfer, a view per list."""
+    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
+    return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
 def joined(first: AttentionBatch, second: AttentionBatch, null_block: int) -> AttentionBatch:
