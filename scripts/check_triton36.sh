@@ -17,4 +17,4 @@ if [ ! -f "$TARGET/triton/__init__.py" ]; then
 fi
 export PYTHONPATH="$PWD/$TARGET" TRITON_INTERPRET=1
 "$VENV/bin/python" -P -c 'import triton; assert triton.__version__.startswith("3.6"), triton.__file__; print("triton", triton.__version__, "from", triton.__file__)'
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_ngram.py tests/test_kernels_verify.py "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_kernels_ngram.py tests/test_kernels_verify.py tests/test_kernels_fused.py "$@"

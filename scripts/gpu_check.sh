@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The gpu test tier (tests/test_cuda.py: compiled Triton kernels against their references, the
-# engine's greedy equivalence on CUDA) and the kernel benchmark, run from source on a CUDA machine.
+# engine's greedy equivalence on CUDA; the fused norm/RoPE/SiLU kernels; device-side uniforms) and the kernel benchmark, run from source on a CUDA machine.
 # No `pip install -e .` there: its torch pin would replace the machine's CUDA torch. Two halves:
 #   scripts/gpu_check.sh fetch         here: wheels of what GPU machines lack (pydantic, tokenizers,
 #                                      pytest, matplotlib, ...) for their Python into .gpu-wheels/,
@@ -49,7 +49,7 @@ save_model_shape("smollm2-135m", pathlib.Path(sys.argv[1]))' "$MODEL_SHAPE"
     rc=0
     # the real control plane tier's plugins (conftest.py) need kubernetes, which the gpu tier does not
     python3 -P -m pytest -q -m gpu -p no:cacheprovider -p no:realk8s -p no:realk8s_operator -p no:realk8s_cluster \
-      tests/test_cuda.py "$@" || rc=$?
+      tests/test_cuda.py tests/test_kernels_fused.py tests/test_rng_device.py "$@" || rc=$?
     python3 -P -m specdecode.runtime.cli bench-kernels --output-dir "${OUT:-bench-results}" || rc=$?
     if [ -d "$MODEL_SHAPE" ]; then
       python3 -P -m specdecode.runtime.cli bench-step --model "$MODEL_SHAPE" --load-format dummy --device cuda \

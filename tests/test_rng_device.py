@@ -75,3 +75,16 @@ def test_device_uniforms_convert_no_tensor_to_python():
     assert calls.names  # the mode saw the torch ops
     host = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
     assert not host & set(calls.names), calls.names
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_uniforms_on_cuda_equal_the_cpu_ones_bit_for_bit():
+    """int64 multiplication wraps on CUDA as on the CPU: the same stream either way."""
+    gen = torch.Generator().manual_seed(7)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (64,), generator=gen, dtype=torch.long)
+    positions = torch.randint(0, 2**31, (64,), generator=gen, dtype=torch.long)
+    for stream in rng.Stream:
+        on_cpu = rng.device_uniforms(seeds, positions, 5, stream)
+        on_cuda = rng.device_uniforms(seeds.cuda(), positions.cuda(), 5, stream).cpu()
+        assert torch.equal(on_cpu.view(torch.int32), on_cuda.view(torch.int32))
