@@ -9,6 +9,7 @@ import torch
 
 from specdecode.kernels.ngram import ngram_propose
 from specdecode.kernels import PLACEHOLDER_TOKEN_ID
+from specdecode.runtime.engine.model_runner import upload
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.proposers import Proposal, Proposer
 from specdecode.runtime.proposers.drafting import Guides
@@ -24,10 +25,9 @@ class NgramProposer(Proposer):
         forced = [guides.forced(i) if guides is not None else [] for i in range(len(seqs))]
         contexts = [s.token_ids + f for s, f in zip(seqs, forced)]
         longest = max(len(c) for c in contexts)
-        tokens = torch.full((len(seqs), longest), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, L]
-        for i, c in enumerate(contexts):
-            tokens[i, : len(c)] = torch.tensor(c)
-        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)  # [B]
+        padded = [t for c in contexts for t in c + [PLACEHOLDER_TOKEN_ID] * (longest - len(c))]
+        tokens, lengths = upload([padded, [len(c) for c in contexts]], self.device)  # [B·L], [B]
         k = max(max_drafts)
-        drafts, counts = ngram_propose(tokens.to(self.device), lengths.to(self.device), self.min_n, self.max_n, k)
-        return Proposal([(f + row[:n])[:cap] for row, n, cap, f in zip(drafts.tolist(), counts.tolist(), max_drafts, forced)])
+        drafts, counts = ngram_propose(tokens.view(len(seqs), longest), lengths, self.min_n, self.max_n, k)
+        rows = torch.cat([drafts, counts[:, None]], dim=1).tolist()  # [B, K + 1]: one read of both
+        return Proposal([(f + row[:row[-1]])[:cap] for row, cap, f in zip(rows, max_drafts, forced)])
