@@ -1,8 +1,8 @@
 """MTP heads on disk and their drafts: tiny synthetic checkpoints written from the published key
 lists (shared/MTP.md, spelled out here, not taken from the loader's mapping) load in each naming,
-the target loads untouched beside them, the drafts equal a plain-torch reference of the formula
-(taps, concatenation orders, chaining one module and wrapping over two), and bad heads are refused
-with what to do."""
+the target loads untouched beside them, each naming's head reads the target hidden state vLLM's
+wiring gives it, the drafts equal a plain-torch reference of the formula (taps, concatenation
+orders, chaining one module and wrapping over two), and bad heads are refused with what to do."""
 from __future__ import annotations
 
 import json
@@ -17,10 +17,12 @@ from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, Sch
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
-from specdecode.runtime.models.mtp import MtpConfig, MtpHead, TargetFingerprint
+from specdecode.runtime.models.mtp import HiddenTap, MtpConfig, MtpHead, TargetFingerprint
 from specdecode.runtime.models.mtp_checkpoint import save_mtp_head
 
 PROMPT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"
+# The target hidden state each published naming's layers read (vLLM's wiring: the layout test).
+TAP = {"deepseek_v3": "post_norm", "qwen3_next": "post_norm", "mimo": "pre_norm"}
 
 
 # --- synthetic checkpoints, from the published key lists --------------------------------------
@@ -235,28 +237,75 @@ def test_each_naming_loads_beside_an_untouched_target_and_drafts_as_the_formula(
     engine = mtp_engine(folder, k)  # no mtp_path: detected from the checkpoint's config
     prompt = engine.tokenizer.encode(PROMPT)
     for tokens, drafts in drafts_along_generation(engine, prompt, k, steps=4):
-        assert drafts == reference_drafts(engine.runner.model, weights, tiny_cfg, tokens, k, "post_norm", pre_norm_hidden)
+        assert drafts == reference_drafts(engine.runner.model, weights, tiny_cfg, tokens, k, TAP[naming], pre_norm_hidden)
 
 
-def test_identical_weights_draft_identically_in_every_naming(tiny_hf_model_dir, tiny_cfg, tmp_path):
+def test_identical_weights_draft_identically_in_every_post_norm_naming(tiny_hf_model_dir, tiny_cfg, tmp_path):
     weights = function_weights(tiny_cfg, 1, seed=5)
     results = []
-    for naming in ("deepseek_v3", "mimo", "qwen3_next"):
+    for naming in ("deepseek_v3", "qwen3_next"):
         engine = mtp_engine(write_checkpoint(tiny_hf_model_dir, tmp_path / naming, naming, weights), 3)
         results.append(drafts_along_generation(engine, engine.tokenizer.encode(PROMPT), 3, steps=3))
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("tap", ["pre_norm", "post_norm"])
-def test_two_modules_wrap_around_with_either_tap(tap, tiny_hf_model_dir, tiny_cfg, tmp_path, pre_norm_hidden):
+@pytest.mark.parametrize("naming", ["deepseek_v3", "mimo"])
+def test_two_modules_wrap_around_with_either_tap(naming, tiny_hf_model_dir, tiny_cfg, tmp_path, pre_norm_hidden):
     """K = 5 over L = 2 modules: drafts 1..5 from modules 0, 1, 0, 1, 0; a wrapped module attends only
-    the chain slots it ran. The tap is read from config.json."""
+    the chain slots it ran. The tap is the naming's: post-norm (DeepSeek-V3), pre-norm (MiMo)."""
     weights = function_weights(tiny_cfg, 2, seed=7)
-    folder = write_checkpoint(tiny_hf_model_dir, tmp_path / "ds", "deepseek_v3", weights, mtp_hidden_tap=tap)
+    folder = write_checkpoint(tiny_hf_model_dir, tmp_path / naming, naming, weights)
     k = 5
     engine = mtp_engine(folder, k)
     for tokens, drafts in drafts_along_generation(engine, engine.tokenizer.encode(PROMPT), k, steps=3):
-        assert drafts == reference_drafts(engine.runner.model, weights, tiny_cfg, tokens, k, tap, pre_norm_hidden)
+        assert drafts == reference_drafts(engine.runner.model, weights, tiny_cfg, tokens, k, TAP[naming], pre_norm_hidden)
+
+
+@pytest.mark.parametrize("naming", ["deepseek_v3", "qwen3_next", "mimo", "ours", "ours_pre_norm"])
+def test_each_naming_feeds_its_head_the_hidden_state_its_body_hands_the_mtp_layers(
+    naming, tiny_hf_model_dir, tiny_cfg, tmp_path, pre_norm_hidden
+):
+    """Which target hidden state reaches module 0, as vLLM wires each model: its runner hands the
+    body's forward output to the MTP layers (``target_hidden_states`` in ``v1/worker/gpu_model_runner.py``).
+
+    - DeepSeek-V3: ``DeepseekV2Model.forward`` (deepseek_v2.py) returns
+      ``self.norm(hidden_states, residual)`` into ``deepseek_mtp.py``'s ``hnorm``: post-norm.
+    - Qwen3-Next: ``Qwen3NextModel.forward`` (qwen3_next.py) returns the same into
+      ``qwen3_next_mtp.py``'s ``pre_fc_norm_hidden``: post-norm.
+    - MiMo: ``MiMoModel.forward`` (mimo.py) returns ``hidden_states + residual``, the residual
+      stream before the final norm (``MiMoForCausalLM.compute_logits`` applies ``model.norm``
+      itself), into ``mimo_mtp.py``'s ``hidden_layernorm``: pre-norm.
+    - Ours (``train-mtp``): the tap its folder records (``--hidden-tap``, post-norm by default), the
+      one its trainer recorded (``training/distill.py`` ``HiddenRecorder``, through the same
+      ``HiddenTap.apply``).
+
+    A hook on module 0 sees its inputs over a prompt's slots: slot q ≥ 1 must hold the target's own
+    h_{q-1} before (pre-norm) or after (post-norm) its final norm, whose weight is not 1 here, so
+    the two differ."""
+    if naming.startswith("ours"):  # a train-mtp folder with the default tap, and one trained pre-norm
+        tap = "pre_norm" if naming == "ours_pre_norm" else "post_norm"
+        target = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None)).model
+        cfg = MtpConfig(num_modules=1, target=TargetFingerprint.of(target, "tiny"))
+        if naming == "ours_pre_norm":
+            cfg = cfg.model_copy(update={"hidden_tap": HiddenTap.PRE_NORM})
+        save_mtp_head(tmp_path / "ours", MtpHead(target.config, cfg), target)
+        engine = mtp_engine(str(tiny_hf_model_dir), 2, mtp_path=str(tmp_path / "ours"))
+    else:
+        tap = TAP[naming]
+        weights = function_weights(tiny_cfg, 1, seed=13)
+        engine = mtp_engine(write_checkpoint(tiny_hf_model_dir, tmp_path / naming, naming, weights), 2)
+    seen: list[torch.Tensor] = []
+    engine.proposer.head.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+    prompt = engine.tokenizer.encode(PROMPT)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    target = engine.runner.model
+    pre = pre_norm_hidden(target, prompt[:-1])  # [n-1, H]: h_0..h_{n-2}
+    post = ref_rms(pre, target.model.norm.weight, tiny_cfg["rms_norm_eps"])
+    assert not torch.allclose(pre, post, atol=1e-2)
+    inputs = seen[0]  # [n, H]: module 0 over the prompt's slots, zeros at slot 0
+    assert inputs.shape[0] == len(prompt) and not inputs[0].any()
+    torch.testing.assert_close(inputs[1:], pre if tap == "pre_norm" else post, rtol=1e-4, atol=1e-5)
 
 
 def test_a_prefix_cache_hit_and_a_preemption_restart_the_head_from_the_cached_prefix(

@@ -16,10 +16,11 @@ x_q fed with the input hidden state in_ℓ(q), at RoPE position q, and predicts 
     in_ℓ(q) = out_{ℓ-1}(q-1)    for ℓ ≥ 1 (zeros at q = 0)
 
 ``tap`` is the target's residual stream before its final norm or after it (``HiddenTap``, a field
-of the head's config). vLLM feeds the same pair (h_i, x_{i+1}) at position i; rotary scores depend
-only on position differences, so position i + 1 here computes the same thing. DeepSeek zeroes the
-embedding at its first position instead of having a slot 0; here slot 0 is fed a zero hidden
-state (one extra key at the start of the head's context). A slot's K/V depends only on
+of the head's config: MiMo's is pre-norm, DeepSeek-V3's and Qwen3-Next's post-norm, ours post-norm
+unless trained otherwise). vLLM feeds the same pair (h_i, x_{i+1}) at position i; rotary scores
+depend only on position differences, so position i + 1 here computes the same thing. DeepSeek
+zeroes the embedding at its first position instead of having a slot 0; here slot 0 is fed a zero
+hidden state (one extra key at the start of the head's context). A slot's K/V depends only on
 x_0..x_q, exactly like the target's own slot q, so the head's KV is prefix-cached, rolled back by
 position and recomputed after preemption together with the target's.
 
@@ -48,10 +49,15 @@ from specdecode.runtime.models.tensor_parallel import TensorParallel
 
 
 class HiddenTap(str, Enum):
-    """Which target hidden state feeds the head."""
+    """Which target hidden state feeds the head: fixed by each published naming (what its body's
+    forward hands the MTP layers, ``models/mtp_checkpoint.py``), chosen at training for ours."""
 
     PRE_NORM = "pre_norm"  # the residual stream after the last decoder layer
     POST_NORM = "post_norm"  # after the target's final norm (what the LM head reads)
+
+    def apply(self, target: DecoderLM, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's pre-norm hidden states [T, H] (as the runner returns them) → this tap's [T, H]."""
+        return target.model.norm(hidden) if self is HiddenTap.POST_NORM else hidden
 
 
 class ConcatOrder(str, Enum):
@@ -154,4 +160,4 @@ class MtpHead(nn.Module):
 
     def tap(self, target: DecoderLM, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [T, H] (pre-norm, as the runner returns them) → the head's input."""
-        return target.model.norm(hidden) if self.config.hidden_tap is HiddenTap.POST_NORM else hidden
+        return self.config.hidden_tap.apply(target, hidden)

@@ -3,11 +3,19 @@
 Published namings (shared/MTP.md), all on llama/qwen2 bodies here; N = the target's
 ``num_hidden_layers``:
 
-| naming | config | tensors |
-|---|---|---|
-| DeepSeek-V3 / GLM | ``num_nextn_predict_layers`` = L | ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, embed_tokens}`` + a decoder block under the same prefix; embedding first |
-| MiMo | ``num_nextn_predict_layers`` = L | ``model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` + a decoder block; hidden first |
-| Qwen3-Next / Qwen3.5 | ``num_nextn_predict_layers`` or ``mtp_num_hidden_layers`` = B | ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}`` + ``mtp.layers.{i}.*``: one module of B blocks; embedding first |
+| naming | config | tensors | target hidden fed |
+|---|---|---|---|
+| DeepSeek-V3 / GLM | ``num_nextn_predict_layers`` = L | ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head, embed_tokens}`` + a decoder block under the same prefix; embedding first | post-norm |
+| MiMo | ``num_nextn_predict_layers`` = L | ``model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` + a decoder block; hidden first | pre-norm |
+| Qwen3-Next / Qwen3.5 | ``num_nextn_predict_layers`` or ``mtp_num_hidden_layers`` = B | ``mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}`` + ``mtp.layers.{i}.*``: one module of B blocks; embedding first | post-norm |
+
+The hidden state each naming's layers were trained on is what its body's forward returns in vLLM,
+whose runner hands that output to the MTP layers as ``target_hidden_states``:
+``DeepseekV2Model.forward`` (deepseek_v2.py) and ``Qwen3NextModel.forward`` (qwen3_next.py) return
+``self.norm(hidden_states, residual)``, the post-norm state (GLM-4.5's ``compute_logits`` likewise
+applies no norm to its body's output); ``MiMoModel.forward`` (mimo.py) returns
+``hidden_states + residual``, the residual stream before the final norm, which
+``MiMoForCausalLM.compute_logits`` applies itself. ``Naming.tap`` is the one place this is decided.
 
 Copies of the embedding and LM head that some checkpoints carry (``embed_tokens``,
 ``shared_head.head``) are not loaded: the head uses the target's own. The target loader skips
@@ -16,7 +24,8 @@ every MTP tensor (``is_mtp_weight``) so the target loads untouched.
 A head folder written by ``specdecode train-mtp`` is a DeepSeek-V3-named ``model.safetensors`` (plus
 ``draft_vocab_ids``, the reduced draft vocabulary) and a ``config.json`` with the DeepSeek-V3
 fields and an ``mtp`` section (``MtpConfig``): the target it was trained for, the hidden-state tap
-and the concatenation order. A head is refused with a target it was not trained for, naming both.
+(``train-mtp --hidden-tap``, post-norm by default) and the concatenation order. A head is refused
+with a target it was not trained for, naming both.
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ class Naming:
 
     name: str
     order: ConcatOrder
+    tap: HiddenTap  # the target hidden state its layers read (module docstring)
     marker: str  # a tensor name (format: N) every checkpoint of this naming has
 
     def internal(self, name: str, num_hidden_layers: int) -> str | None:
@@ -101,9 +111,9 @@ def _module_name(k: int, rest: str, simple: dict[str, str]) -> str:
 
 _INTERNAL = {"deepseek_v3": _deepseek, "mimo": _mimo, "qwen3_next": _qwen3_next}
 NAMINGS = (
-    Naming("deepseek_v3", ConcatOrder.EMBEDDING_FIRST, "model.layers.{N}.eh_proj.weight"),
-    Naming("mimo", ConcatOrder.HIDDEN_FIRST, "model.mtp_layers.0.input_proj.weight"),
-    Naming("qwen3_next", ConcatOrder.EMBEDDING_FIRST, "mtp.fc.weight"),
+    Naming("deepseek_v3", ConcatOrder.EMBEDDING_FIRST, HiddenTap.POST_NORM, "model.layers.{N}.eh_proj.weight"),
+    Naming("mimo", ConcatOrder.HIDDEN_FIRST, HiddenTap.PRE_NORM, "model.mtp_layers.0.input_proj.weight"),
+    Naming("qwen3_next", ConcatOrder.EMBEDDING_FIRST, HiddenTap.POST_NORM, "mtp.fc.weight"),
 )
 
 
@@ -205,12 +215,11 @@ def _mtp_config(hf_config: dict[str, Any], naming: Naming, keys: dict[str, Path]
         blocks = len({name.split(".")[3] for name in internal if ".blocks." in name})
         if blocks != declared:
             raise ValueError(f"config declares {declared} MTP layers but the checkpoint has {blocks} (mtp.layers.*)")
-        return MtpConfig(num_modules=1, blocks_per_module=blocks, concat_order=naming.order)
+        return MtpConfig(num_modules=1, blocks_per_module=blocks, concat_order=naming.order, hidden_tap=naming.tap)
     if modules != declared:
         raise ValueError(f"config declares num_nextn_predict_layers = {declared} but the checkpoint has {modules} "
                          f"MTP layers ({naming.name} naming)")
-    return MtpConfig(num_modules=modules, concat_order=naming.order,
-                     hidden_tap=HiddenTap(hf_config.get("mtp_hidden_tap", HiddenTap.POST_NORM.value)))
+    return MtpConfig(num_modules=modules, concat_order=naming.order, hidden_tap=naming.tap)
 
 
 def _check_target(

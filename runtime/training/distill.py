@@ -74,7 +74,7 @@ class HiddenRecorder(Proposer):
                 labels = torch.tensor([seq.token_ids[item.start + 1]], dtype=torch.long)
             else:  # prompt positions: the target's own argmax
                 labels = torch.cat([self.target.compute_logits(c).argmax(-1).cpu() for c in rows.split(LOGIT_ROWS)])
-            tapped = self.target.model.norm(rows) if self.tap is HiddenTap.POST_NORM else rows
+            tapped = self.tap.apply(self.target, rows)  # what the head reads at run time (MtpHead.tap)
             record.hidden.append(tapped.float().cpu())
             record.labels.append(labels)
             record.num_positions += item.num_tokens
