@@ -20,6 +20,7 @@ from specdecode.runtime.config import CacheConfig
 from specdecode.runtime.engine.sampler import gather_logprobs
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import TokenLogprob
+from specdecode.runtime.engine.transfer import upload
 from specdecode.runtime.models.attention import AttentionBatch, kv_pool
 from specdecode.runtime.models.decoder import DecoderLM
 
@@ -217,13 +218,6 @@ def build_attention_batch(spans: list[Span], block_size: int, null_block: int, d
     """``attention_lists`` of ``spans`` on ``device`` (one copy)."""
     lists = attention_lists(spans, block_size, null_block)
     return lists.batch(upload(lists.parts, device))
-
-
-def upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Long lists to ``device`` in one copy: one host tensor (pinned on CUDA, so the copy runs
-    asynchronously and the host goes on building), one non-blocking transfer, a view per list."""
-    host = torch.tensor([x for part in parts for x in part], dtype=torch.long, pin_memory=device.type == "cuda")
-    return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
 def joined(first: AttentionBatch, second: AttentionBatch, null_block: int) -> AttentionBatch:

@@ -32,11 +32,14 @@ from specdecode.runtime.engine.sampler import (
     apply_grammar_masks,
     apply_logit_bias,
     apply_penalties,
-    gather_logprobs,
+    logit_lists,
+    read_logprobs,
     row_starts,
-    sampling_probs,
+    shaped_probs,
+    shaping_lists,
 )
 from specdecode.runtime.engine.sequence import TokenLogprob
+from specdecode.runtime.engine.transfer import as_floats, upload
 
 
 @dataclass
@@ -47,6 +50,9 @@ class Verdict:
 
 
 class Verifier:
+    """One step's verification moves its host inputs to the device in one upload (``_lists``) and
+    reads every sequence's verdict back at once; logprobs, when a request asked, are a second read."""
+
     def __init__(self, strategy: VerifyStrategy, verify_top_p: float):
         self.strategy = VerifyStrategy.TARGET_MATCH if strategy is VerifyStrategy.GREEDY else strategy
         self.verify_top_p = verify_top_p
@@ -58,106 +64,116 @@ class Verifier:
     ) -> list[Verdict]:
         raw = logits  # logprobs come from the raw logits
         logits = logits.clone()
-        apply_penalties(logits, rows)
-        apply_logit_bias(logits, rows)
-        apply_grammar_masks(logits, rows)
         starts = row_starts(rows)
         width = max(r.num_rows for r in rows)  # K + 1
-        out: list[list[int]] = [[] for _ in rows]
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        lists = self._lists(rows, starts, width, greedy, sampled)
+        on = dict(zip(lists, upload(list(lists.values()), logits.device)))
+        apply_penalties(logits, on)
+        apply_logit_bias(logits, on)
+        apply_grammar_masks(logits, rows, on)
+        g, b = len(greedy), len(rows)
+        pad = on["pad"].view(b, width)  # [G+S, K+1]: greedy sequences, then sampled ones
+        drafts, num_drafts = on["drafts"].view(b, width - 1), on["num_drafts"]  # [G+S, K], [G+S]
+        results = []
         if greedy:
-            self._verify_greedy(logits, rows, starts, width, greedy, out)
+            results.append(greedy_verify(drafts[:g], num_drafts[:g], logits.argmax(dim=-1)[pad[:g]]))
         if sampled:
-            self._verify_sampled(logits, rows, starts, width, sampled, out)
-        logprobs = self._logprobs(raw, rows, starts, out)
+            results.append(self._verify_sampled(logits, [rows[i] for i in sampled], pad[g:], drafts[g:], num_drafts[g:], on))
+        result = torch.cat(results)  # [G+S, K+1]
+        out: list[list[int]] = [[] for _ in rows]
+        for i, tokens in zip(greedy + sampled, result.tolist()):
+            out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+        logprobs = self._logprobs(raw, rows, result, on, out)
         return [Verdict(tokens, len(tokens) - 1, lp) for tokens, lp in zip(out, logprobs)]
 
-    def _verify_greedy(self, logits, rows, starts, width, which, out) -> None:
-        pad = self._pad_index(rows, starts, width, which, logits.device)  # [G, K+1]
-        argmax = logits.argmax(dim=-1)[pad]  # [G, K+1]
-        drafts, num_drafts = self._drafts(rows, width, which, logits.device)
-        self._scatter(greedy_verify(drafts, num_drafts, argmax), which, out)
+    def _lists(self, rows, starts, width, greedy, sampled) -> dict[str, list[int]]:
+        """Everything the step's verification reads from the host, as long lists (``logit_lists``' too):
+        per sequence (greedy ones, then sampled ones) its rows padded to K + 1 by repeating its last
+        (``pad``), its drafts padded with placeholders and their count; per sampled sequence its
+        randomness keys and, per padded row, its temperature, top-k and top-p; the draft-probability
+        layout for rejection sampling; the rows and result positions of the logprobs asked for."""
+        k = width - 1
+        order = greedy + sampled
+        lists = logit_lists(rows, starts)
+        lists["pad"] = [starts[i] + min(j, rows[i].num_rows - 1) for i in order for j in range(width)]
+        lists["drafts"] = [t for i in order for t in rows[i].draft_token_ids + [PLACEHOLDER_TOKEN_ID] * (k + 1 - rows[i].num_rows)]
+        lists["num_drafts"] = [len(rows[i].draft_token_ids) for i in order]
+        lists["seeds"] = [rows[i].seed for i in sampled]
+        lists["positions"] = [rows[i].first_position for i in sampled]
+        lists["temperature"], lists["top_k"], lists["top_p"] = shaping_lists(
+            [rows[i].params for i in sampled for _ in range(width)])
+        if self.strategy is VerifyStrategy.REJECTION:
+            lists |= _draft_prob_lists([rows[i] for i in sampled], k)
+        at = {i: b for b, i in enumerate(order)}
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lists["logprob_rows"] = [starts[i] + j for i in asking for j in range(rows[i].num_rows)]
+        lists["logprob_at"] = [at[i] * width + j for i in asking for j in range(rows[i].num_rows)]
+        return lists
 
-    def _verify_sampled(self, logits, rows, starts, width, which, out) -> None:
-        dev = logits.device
-        pad = self._pad_index(rows, starts, width, which, dev)  # [S, K+1]
-        flat = pad.view(-1)
-        params = [rows[i].params for i in which for _ in range(width)]
-        probs = sampling_probs(logits.index_select(0, flat), params).view(len(which), width, -1)  # [S, K+1, V]
-        drafts, num_drafts = self._drafts(rows, width, which, dev)
-        keys = torch.tensor([(rows[i].seed, rows[i].first_position) for i in which], dtype=torch.long, device=dev)
-        seeds, first_positions = keys.unbind(1)  # [S] each, from one transfer
+    def _verify_sampled(self, logits, rows, pad, drafts, num_drafts, on) -> torch.Tensor:  # [S, K+1]
+        s, width = pad.shape
+        temperature, top_p = as_floats(on["temperature"]), as_floats(on["top_p"])  # [S·(K+1)] each
+        probs = shaped_probs(logits.index_select(0, pad.flatten()), temperature, on["top_k"], top_p).view(s, width, -1)  # [S, K+1, V]
+        seeds, first_positions = on["seeds"], on["positions"]  # [S] each
         sample_u = rng.device_uniforms(seeds, first_positions, width, rng.Stream.SAMPLE)  # [S, K+1]
         if self.strategy is VerifyStrategy.TARGET_MATCH:
-            result = target_match_verify(drafts, num_drafts, probs, sample_u)
-        elif self.strategy is VerifyStrategy.REJECTION:
+            return target_match_verify(drafts, num_drafts, probs, sample_u)
+        if self.strategy is VerifyStrategy.REJECTION:
             accept_u = rng.device_uniforms(seeds, first_positions, width - 1, rng.Stream.ACCEPT)  # [S, K]
-            result = rejection_verify(drafts, num_drafts, probs, self._draft_probs(rows, which, probs), accept_u, sample_u)
-        else:
-            top_p = torch.full((len(which),), self.verify_top_p, device=dev)
-            result = topp_verify(drafts, num_drafts, probs, top_p, sample_u)
-        self._scatter(result, which, out)
+            return rejection_verify(drafts, num_drafts, probs, _draft_probs(rows, probs, on), accept_u, sample_u)
+        top_p = torch.full((s,), self.verify_top_p, device=logits.device)
+        return topp_verify(drafts, num_drafts, probs, top_p, sample_u)
 
     @staticmethod
-    def _draft_probs(rows, which, probs: torch.Tensor) -> torch.Tensor | None:
-        """[S, K, V] draft distributions q, or None when every draft is one-hot.
-
-        In a batch with dense q, a row without draft probabilities (n-gram, suffix) is one-hot on
-        its drafts: a zero q there would accept every draft (p/q = inf). Past a row's drafts, q is
-        zero and never read.
-        """
-        if all(rows[i].draft_probs is None for i in which):
-            return None
-        s, width, vocab = probs.shape
-        q = probs.new_zeros(s, width - 1, vocab)
-        for b, i in enumerate(which):
-            row = rows[i]
-            if row.draft_probs is not None:
-                q[b, : row.draft_probs.shape[0]] = row.draft_probs
-            elif row.draft_token_ids:
-                num = len(row.draft_token_ids)
-                drafts = torch.tensor(row.draft_token_ids, dtype=torch.long, device=q.device)
-                q[b, torch.arange(num, device=q.device), drafts] = 1.0
-        return q
-
-    @staticmethod
-    def _pad_index(rows, starts, width, which, device) -> torch.Tensor:  # [len(which), width] long
-        index = [[starts[i] + min(j, rows[i].num_rows - 1) for j in range(width)] for i in which]
-        return torch.tensor(index, dtype=torch.long, device=device)
-
-    @staticmethod
-    def _drafts(rows, width, which, device) -> tuple[torch.Tensor, torch.Tensor]:
-        k = width - 1
-        drafts = [rows[i].draft_token_ids + [PLACEHOLDER_TOKEN_ID] * (k - len(rows[i].draft_token_ids)) for i in which]
-        nums = [len(rows[i].draft_token_ids) for i in which]
-        return (
-            torch.tensor(drafts, dtype=torch.long, device=device).view(len(which), k),  # [B, K]
-            torch.tensor(nums, dtype=torch.long, device=device),  # [B]
-        )
-
-    @staticmethod
-    def _scatter(result: torch.Tensor, which: list[int], out: list[list[int]]) -> None:
-        for i, tokens in zip(which, result.tolist()):  # result: [B, K+1]
-            out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
-
-    @staticmethod
-    def _logprobs(raw, rows, starts, out) -> list[list[TokenLogprob]]:
+    def _logprobs(raw, rows, result, on, out) -> list[list[TokenLogprob]]:
         """Each row's emitted tokens' logprobs, for the requests that asked (empty for the others).
 
-        Only the rows that scored an emitted token of such a request are read: one batch of
-        log-softmax over those rows, and a top-k only when some request asked for alternatives.
+        Only the rows of such requests are read (row j scored token j; the emitted tokens are taken
+        from ``result`` on the device): one batch of log-softmax over those rows, and a top-k only
+        when some request asked for alternatives.
         """
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         per_row: list[list[TokenLogprob]] = [[] for _ in rows]
         if not asking:
             return per_row
-        row_index = [starts[i] + j for i in asking for j in range(len(out[i]))]  # row j scored token j
-        token_ids = [t for i in asking for t in out[i]]
-        num_top = [rows[i].params.logprobs for i in asking for _ in out[i]]
-        gathered = gather_logprobs(raw, row_index, token_ids, num_top)
+        token_ids = [t for i in asking for t in out[i] + [PLACEHOLDER_TOKEN_ID] * (rows[i].num_rows - len(out[i]))]
+        num_top = [rows[i].params.logprobs for i in asking for _ in range(rows[i].num_rows)]
+        tokens = result.flatten()[on["logprob_at"]].clamp(min=0)  # [Σ num_rows of asking]: placeholders read token 0
+        read = read_logprobs(raw, on["logprob_rows"], tokens, token_ids, num_top)
         at = 0
         for i in asking:
-            per_row[i] = gathered[at : at + len(out[i])]
-            at += len(out[i])
+            per_row[i] = read[at : at + len(out[i])]
+            at += rows[i].num_rows
         return per_row
+
+
+def _draft_prob_lists(rows: list[SamplerRow], k: int) -> dict[str, list[int]]:
+    """Where each sampled row's draft distributions go in q viewed as [S·K, V]: dense ones' rows
+    (``dense_at``), and one-hot drafts' (row, token) for rows without draft probabilities."""
+    lists: dict[str, list[int]] = {"dense_at": [], "one_hot_at": [], "one_hot_tokens": []}
+    for b, row in enumerate(rows):
+        if row.draft_probs is not None:
+            lists["dense_at"] += range(b * k, b * k + row.draft_probs.shape[0])
+        else:
+            lists["one_hot_at"] += range(b * k, b * k + len(row.draft_token_ids))
+            lists["one_hot_tokens"] += row.draft_token_ids
+    return lists
+
+
+def _draft_probs(rows: list[SamplerRow], probs: torch.Tensor, on: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """[S, K, V] draft distributions q, or None when every draft is one-hot.
+
+    In a batch with dense q, a row without draft probabilities (n-gram, suffix) is one-hot on
+    its drafts: a zero q there would accept every draft (p/q = inf). Past a row's drafts, q is
+    zero and never read.
+    """
+    dense = [row.draft_probs for row in rows if row.draft_probs is not None]
+    if not dense:
+        return None
+    s, width, vocab = probs.shape
+    q = probs.new_zeros(s * (width - 1), vocab)
+    q[on["dense_at"]] = torch.cat(dense)
+    q[on["one_hot_at"], on["one_hot_tokens"]] = 1.0
+    return q.view(s, width - 1, vocab)
