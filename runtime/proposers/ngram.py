@@ -9,7 +9,7 @@ import torch
 
 from specdecode.kernels.ngram import ngram_propose
 from specdecode.kernels import PLACEHOLDER_TOKEN_ID
-from specdecode.runtime.engine.model_runner import upload
+from specdecode.runtime.engine.transfer import upload
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.proposers import Proposal, Proposer
 from specdecode.runtime.proposers.drafting import Guides
