@@ -1,7 +1,10 @@
-"""Host↔device traffic of a verify step, counted as ``bench/step.py`` counts it (a TorchFunctionMode):
-one upload of everything the verifier and sampler need, and reads that do not grow with the batch."""
+"""Host↔device traffic of a step, counted as ``bench/step.py`` counts it (torch function and
+dispatch modes): a verify step uploads everything the verifier and sampler need once, with reads that
+do not grow with the batch; a whole decode step reads the device once, at batch 1 as at batch 32,
+and its preparation dispatches as many ops at either."""
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdecode.runtime.config import VerifyStrategy
 from specdecode.runtime.engine.sampler import SamplerRow
@@ -9,6 +12,7 @@ from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.engine.verifier import Verifier
 
 SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})
+SYNCING_OPS = frozenset({"aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique2"})
 VOCAB = 32
 
 
@@ -60,3 +64,46 @@ def transfers(batch: int) -> tuple[int, int]:
 def test_a_verify_step_uploads_once_and_syncs_as_often_at_batch_1_as_at_batch_8():
     assert transfers(1) == transfers(8)
     assert transfers(8)[0] == 1
+
+
+class Dispatched(TorchDispatchMode):
+    """Aten ops dispatched, and those whose output size depends on data (a sync on an accelerator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        masked = func.name() == "aten::index.Tensor" and any(getattr(i, "dtype", None) == torch.bool for i in args[1])
+        self.syncs += masked or func._schema.name in SYNCING_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step(tiny, make_engine, batch: int) -> tuple[int, int, int]:
+    """(syncs, uploads) of one plain decode step over ``batch`` sequences (greedy and seeded sampled
+    alternating), and the ops its preparation dispatched."""
+    model, tokenizer = tiny
+    engine = make_engine(model, tokenizer, overlap=False)
+    for i in range(batch):
+        params = SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        engine.add_request(str(i), [1 + i, 2, 3, 4 + i], params)
+    engine.step()  # the prompts
+    engine.step()  # a first decode step: warm
+    prepare, prepared = engine.runner.prepare, Dispatched()
+
+    def counted_prepare(scheduled):
+        with prepared:
+            return prepare(scheduled)
+
+    engine.runner.prepare = counted_prepare
+    with Transfers() as called, Dispatched() as dispatched:
+        outputs = engine.step()
+    assert len(outputs) == batch and all(len(out.deltas[0].token_ids) == 1 for out in outputs)
+    return called.syncs + dispatched.syncs, called.uploads, prepared.ops
+
+
+def test_a_decode_step_reads_the_device_once_and_prepares_in_as_many_ops_at_batch_1_as_at_32(tiny, make_engine):
+    syncs, uploads, prepare_ops = decode_step(tiny, make_engine, 1)
+    assert syncs == 1  # the verdicts
+    assert decode_step(tiny, make_engine, 32) == (syncs, uploads, prepare_ops)

@@ -190,7 +190,8 @@ class AttentionLists:
         return AttentionBatch(positions=positions, slot_mapping=slots, block_tables=tables.view(self.num_seqs, self.width),
                               seq_lens=seq_lens, query_start=starts, block_size=self.block_size,
                               max_query_len=self.max_query_len,
-                              hidden_keys=hidden.view(self.num_seqs, self.hidden_width) if self.hidden_width else None)
+                              hidden_keys=hidden.view(self.num_seqs, self.hidden_width) if self.hidden_width else None,
+                              query_start_list=self.starts, seq_lens_list=self.seq_lens)
 
 
 def attention_lists(spans: list[Span], block_size: int, null_block: int) -> AttentionLists:
@@ -235,4 +236,15 @@ def joined(first: AttentionBatch, second: AttentionBatch, null_block: int) -> At
         block_tables=torch.cat([padded(first.block_tables), padded(second.block_tables)]),
         seq_lens=torch.cat([first.seq_lens, second.seq_lens]),
         query_start=torch.cat([first.query_start, second.query_start[1:] + first.positions.numel()]),
-        block_size=first.block_size, max_query_len=max(first.max_query_len, second.max_query_len))
+        block_size=first.block_size, max_query_len=max(first.max_query_len, second.max_query_len),
+        **_joined_lists(first, second))
+
+
+def _joined_lists(first: AttentionBatch, second: AttentionBatch) -> dict[str, list[int]]:
+    """The host lists of ``joined``'s batch, where both batches have theirs."""
+    if any(x is None for x in (first.query_start_list, second.query_start_list, first.seq_lens_list,
+                               second.seq_lens_list)):
+        return {}
+    offset = first.query_start_list[-1]
+    return {"query_start_list": first.query_start_list + [s + offset for s in second.query_start_list[1:]],
+            "seq_lens_list": first.seq_lens_list + second.seq_lens_list}

@@ -54,13 +54,18 @@ class AttentionBatch:
     block_size: int
     max_query_len: int  # the most rows of one sequence (a host int: it picks the kernel)
     hidden_keys: torch.Tensor | None = None  # [B, H] long, −1 padded: positions its rows never attend
+    # query_start and seq_lens as host lists, where the builder had them: the CPU path groups by them
+    # without reading the device (a batch received from rank 0 has none: they are read back once)
+    query_start_list: list[int] | None = None
+    seq_lens_list: list[int] | None = None
 
     @cached_property
     def groups(self) -> list[SequenceGroup]:
         """The CPU path's padded groups of sequences (built once per step from the metadata): every
         short sequence (≤ ``MAX_DECODE_QUERY_LEN`` rows) in one, each longer one alone, so a
         512-row prefill chunk never pads the decode rows of the others."""
-        starts, lens = self.query_start.tolist(), self.seq_lens.tolist()
+        starts = self.query_start.tolist() if self.query_start_list is None else self.query_start_list
+        lens = self.seq_lens.tolist() if self.seq_lens_list is None else self.seq_lens_list
         rows = [b - a for a, b in zip(starts, starts[1:])]
         short = [b for b, n in enumerate(rows) if n <= MAX_DECODE_QUERY_LEN]
         members = ([short] if short else []) + [[b] for b, n in enumerate(rows) if n > MAX_DECODE_QUERY_LEN]
@@ -94,8 +99,9 @@ def _group(batch: AttentionBatch, sequences: list[int], starts: list[int], lens:
         hidden = batch.hidden_keys.index_select(0, index)  # [B, H]
         keys = torch.arange(width * block_size, device=device)
         mask &= ~(keys[None, None, :] == hidden[:, :, None]).any(1)[:, None, :]
+    valid_rows = [i * q_len + j for i, b in enumerate(sequences) for j in range(rows[b])]  # host-built: no sync
     return SequenceGroup(token_index=torch.where(valid, first + offsets[None, :], 0),
-                         valid_rows=valid.reshape(-1).nonzero()[:, 0],
+                         valid_rows=torch.tensor(valid_rows, device=device),
                          block_tables=batch.block_tables.index_select(0, index)[:, :width],
                          mask=mask.unsqueeze(1), any_hidden=batch.hidden_keys is not None)
 
