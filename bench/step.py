@@ -26,6 +26,7 @@ Prints a Markdown table, writes JSON and a bar plot under ``--output-dir``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -388,15 +390,25 @@ def _attention_copies(engine) -> tuple[float, float, dict[str, float]]:
 
 
 def _step_counts(engine) -> dict[str, float]:
-    """Per step over ``PROFILE_STEPS`` steps: syncs (``SYNCS``, a blocking ``.to`` a CPU device,
-    ``SYNCING_OPS``, indexing by a boolean mask), uploads and aten ops dispatched."""
+    """``counting``'s counts per step, over ``PROFILE_STEPS`` steps."""
+    with counting() as counts:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+    return {f"{name}_per_step": count / PROFILE_STEPS for name, count in counts.items()}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Count what the block does (module docstring): syncs (``SYNCS``, a blocking ``.to`` a CPU
+    device, ``SYNCING_OPS``, indexing by a boolean mask), uploads and aten ops dispatched. Blocks
+    nest, each counting what runs inside it. The tests count steps with it too."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"syncs": 0, "uploads": 0, "ops": 0}
 
-    class Syncs(TorchFunctionMode):
+    class Calls(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = getattr(func, "__name__", "")
@@ -415,10 +427,8 @@ def _step_counts(engine) -> dict[str, float]:
             counts["syncs"] += masked or func._schema.name in SYNCING_OPS
             return func(*args, **(kwargs or {}))
 
-    with Syncs(), Ops():
-        for _ in range(PROFILE_STEPS):
-            engine.step()
-    return {f"{name}_per_step": count / PROFILE_STEPS for name, count in counts.items()}
+    with Calls(), Ops():
+        yield counts
 
 
 if __name__ == "__main__":

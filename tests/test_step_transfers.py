@@ -1,38 +1,16 @@
-"""Host↔device traffic of a step, counted as ``bench/step.py`` counts it (torch function and
+"""Host↔device traffic of a step, counted by ``bench/step.py``'s ``counting`` (torch function and
 dispatch modes): a verify step uploads everything the verifier and sampler need once, with reads that
 do not grow with the batch; a whole decode step reads the device once, at batch 1 as at batch 32,
 and its preparation dispatches as many ops at either."""
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from specdecode.bench.step import counting
 from specdecode.runtime.config import VerifyStrategy
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.engine.verifier import Verifier
 
-SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"})
-SYNCING_OPS = frozenset({"aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique2"})
 VOCAB = 32
-
-
-class Transfers(TorchFunctionMode):
-    """Uploads (``torch.tensor``/``as_tensor`` given a device, a non-blocking ``.to``) and syncs
-    (Tensor→Python conversions, a blocking ``.to`` the CPU), as bench-step counts them."""
-
-    def __init__(self):
-        super().__init__()
-        self.uploads = self.syncs = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        blocking_to_cpu = name == "to" and not kwargs.get("non_blocking") and any(
-            str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device")))
-        self.syncs += name in SYNCS or blocking_to_cpu
-        self.uploads += (name in ("tensor", "as_tensor") and "device" in kwargs) or (
-            name == "to" and bool(kwargs.get("non_blocking")))
-        return func(*args, **kwargs)
 
 
 def step_rows(batch: int) -> list[SamplerRow]:
@@ -55,29 +33,15 @@ def transfers(batch: int) -> tuple[int, int]:
     rows = step_rows(batch)
     logits = torch.randn(sum(r.num_rows for r in rows), VOCAB, generator=torch.Generator().manual_seed(0))  # [R, V]
     verifier = Verifier(VerifyStrategy.REJECTION, verify_top_p=0.9)
-    with Transfers() as counted:
+    with counting() as counted:
         verdicts = verifier(logits, rows)
     assert len(verdicts) == batch and verdicts[0].logprobs
-    return counted.uploads, counted.syncs
+    return counted["uploads"], counted["syncs"]
 
 
 def test_a_verify_step_uploads_once_and_syncs_as_often_at_batch_1_as_at_batch_8():
     assert transfers(1) == transfers(8)
     assert transfers(8)[0] == 1
-
-
-class Dispatched(TorchDispatchMode):
-    """Aten ops dispatched, and those whose output size depends on data (a sync on an accelerator)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        masked = func.name() == "aten::index.Tensor" and any(getattr(i, "dtype", None) == torch.bool for i in args[1])
-        self.syncs += masked or func._schema.name in SYNCING_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def decode_step(tiny, make_engine, batch: int) -> tuple[int, int, int]:
@@ -90,17 +54,19 @@ def decode_step(tiny, make_engine, batch: int) -> tuple[int, int, int]:
         engine.add_request(str(i), [1 + i, 2, 3, 4 + i], params)
     engine.step()  # the prompts
     engine.step()  # a first decode step: warm
-    prepare, prepared = engine.runner.prepare, Dispatched()
+    prepare, prepare_ops = engine.runner.prepare, []
 
     def counted_prepare(scheduled):
-        with prepared:
-            return prepare(scheduled)
+        with counting() as counted:
+            step = prepare(scheduled)
+        prepare_ops.append(counted["ops"])
+        return step
 
     engine.runner.prepare = counted_prepare
-    with Transfers() as called, Dispatched() as dispatched:
+    with counting() as counted:
         outputs = engine.step()
     assert len(outputs) == batch and all(len(out.deltas[0].token_ids) == 1 for out in outputs)
-    return called.syncs + dispatched.syncs, called.uploads, prepared.ops
+    return counted["syncs"], counted["uploads"], sum(prepare_ops)
 
 
 def test_a_decode_step_reads_the_device_once_and_prepares_in_as_many_ops_at_batch_1_as_at_32(tiny, make_engine):
