@@ -63,12 +63,13 @@ class Verifier:
         rows: list[SamplerRow],
     ) -> list[Verdict]:
         raw = logits  # logprobs come from the raw logits
-        logits = logits.clone()
         starts = row_starts(rows)
         width = max(r.num_rows for r in rows)  # K + 1
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         lists = self._lists(rows, starts, width, greedy, sampled)
+        if lists["penalized_rows"] or lists["bias_rows"] or lists["constrained_rows"]:
+            logits = logits.clone()  # shaped in place below; raw stays as it was
         on = dict(zip(lists, upload(list(lists.values()), logits.device)))
         apply_penalties(logits, on)
         apply_logit_bias(logits, on)
