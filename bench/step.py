@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-cache-dir", default=None, help="dequantized weights cache (default: the runtime's)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights of the model's config (a baseline must know the flag too)")
+    parser.add_argument("--graphs", choices=["off", "buckets", "cuda"], default="off",
+                        help="buckets: decode/verify steps padded to batch buckets; cuda: and replayed as CUDA graphs "
+                             "(a baseline must know the flag too)")
     parser.add_argument("--output-dir", default="bench-results")
 
 
@@ -143,6 +146,7 @@ def _run_worker(checkout: Checkout, cases: list[Case], args: argparse.Namespace,
             "--cases", json.dumps([c.__dict__ for c in cases])]
     argv += ["--weight-cache-dir", args.weight_cache_dir] if args.weight_cache_dir else []
     argv += ["--load-format", args.load_format] if args.load_format != "auto" else []
+    argv += ["--graphs", args.graphs] if args.graphs != "off" else []
     proc = subprocess.run(argv, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, check=False)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"bench-step: the {checkout.name} worker exited with status {proc.returncode} "
@@ -167,7 +171,7 @@ def build_report(args: argparse.Namespace, checkouts: list[Checkout], cases: lis
             row["ratio_ms_per_step"] = statistics.median(ratios)
         rows.append(row)
     return {
-        "model": args.model, "load_format": args.load_format, "steps": args.steps,
+        "model": args.model, "load_format": args.load_format, "graphs": args.graphs, "steps": args.steps,
         "rounds": args.rounds, "threads": args.threads, "device": first[THIS]["device"], "device_name": first[THIS]["device_name"], "dtype": first[THIS]["dtype"],
         "attention_bytes_counted": COUNTED,
         "checkouts": {c.name: {"root": str(c.root), "python": c.python, **_git_state(c.root),
@@ -195,6 +199,7 @@ def format_table(report: dict) -> str:
     names = list(report["checkouts"])  # baseline first, when there is one
     both = len(names) == 2
     weights = " (dummy weights)" if report.get("load_format") == "dummy" else ""
+    weights += {"buckets": ", batch buckets", "cuda": ", CUDA graphs"}.get(report.get("graphs", "off"), "")
     head = [f"bench-step: {report['model']}{weights} on {report['device_name']} ({report['dtype']}, {report['threads']} "
             f"thread(s)), {report['steps']} timed steps, medians over {report['rounds']} round(s)"
             + ("; ratio = median of per-round this ÷ baseline ms/step" if both else ""),
@@ -265,13 +270,14 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--weight-cache-dir", default=None)
     parser.add_argument("--load-format", default=None)
+    parser.add_argument("--graphs", default="off")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     load = {"weight_cache_dir": args.weight_cache_dir} if args.weight_cache_dir else {}
     load |= {"load_format": args.load_format} if args.load_format else {}
     loaded = load_model(LoadConfig(model=args.model, device=args.device, dtype=args.dtype, **load))
     cases = [Case(**c) for c in json.loads(args.cases)]
-    results = [measure_case(loaded, case, args.steps) for case in cases]
+    results = [measure_case(loaded, case, args.steps, args.graphs) for case in cases]
     device = loaded.device
     Path(args.out).write_text(json.dumps({
         "device": str(device), "dtype": str(loaded.dtype).removeprefix("torch."), "torch": torch.__version__,
@@ -281,13 +287,13 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
-def measure_case(loaded, case: Case, steps: int) -> dict:
+def measure_case(loaded, case: Case, steps: int, graphs: str = "off") -> dict:
     """Prefill ``case.batch`` prompts, warm up, time ``steps`` steps, profile ``PROFILE_STEPS`` more."""
     import gc
 
     import torch
 
-    engine, max_tokens = _engine(loaded, case, steps)
+    engine, max_tokens = _engine(loaded, case, steps, graphs)
     running = engine.scheduler.running
     for _ in range(math.ceil(case.batch * case.context / PREFILL_BUDGET) + case.batch + 1):
         if len(running) == case.batch and all(s.num_output_tokens >= 1 for s in running):
@@ -320,7 +326,7 @@ def measure_case(loaded, case: Case, steps: int) -> dict:
             "attention_copied_bytes_by_op": by_op, **counts}
 
 
-def _engine(loaded, case: Case, steps: int):
+def _engine(loaded, case: Case, steps: int, graphs: str = "off"):
     """An engine with ``case.batch`` greedy requests added: prompts repeating a random pattern, room
     for every token the prefill, warm-up, timed and profiled steps can emit (K + 1 a step)."""
     import torch
@@ -338,9 +344,14 @@ def _engine(loaded, case: Case, steps: int):
     block_size = 16
     blocks = case.batch * (math.ceil(max_model_len / block_size) + 1) + 4
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=case.k) if case.k else SpeculativeConfig()
+    shapes = {}
+    if graphs != "off":  # only then: a baseline from before batch buckets has no GraphConfig
+        from specdecode.runtime.config import GraphConfig
+
+        shapes["graphs"] = GraphConfig(cuda_graphs=graphs == "cuda", batch_buckets=True)
     cfg = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=blocks, enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_seqs=case.batch, max_num_batched_tokens=PREFILL_BUDGET),
-                       speculative=speculative)
+                       speculative=speculative, **shapes)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, max_model_len, loaded.device, loaded.dtype)
     gen = torch.Generator().manual_seed(case.batch * 100_003 + case.context)
     period = max(1, min(PATTERN, case.context // 4))  # four repeats or more: the model copies them

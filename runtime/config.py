@@ -297,12 +297,31 @@ class ParallelConfig(Frozen):
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
+class GraphConfig(Frozen):
+    """Decode and verify steps padded to batch buckets (``engine/buckets.py``), and each bucket's
+    forward captured once as a CUDA graph and replayed (``engine/cuda_graphs.py``)."""
+
+    cuda_graphs: bool = Field(
+        False, description="capture each bucket's decode/verify forward as a CUDA graph and replay it (CUDA, one "
+        "rank); off by default until the gpu tier has shown replay equal to eager on a GPU"
+    )
+    batch_buckets: bool | None = Field(
+        None, description="pad decode/verify steps to batch buckets (1, 2, 4, 8, then every 16), drafts to the "
+        "step's most; None = on with cuda_graphs"
+    )
+
+    @property
+    def buckets(self) -> bool:
+        return self.cuda_graphs if self.batch_buckets is None else self.batch_buckets
+
+
 class EngineConfig(Frozen):
     load: LoadConfig = LoadConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
+    graphs: GraphConfig = GraphConfig()
 
     @model_validator(mode="after")
     def _gated(self) -> "EngineConfig":
@@ -310,6 +329,15 @@ class EngineConfig(Frozen):
                                             self.speculative.gates)
         if refusal:
             raise ValueError(refusal)
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_in_one_process(self) -> "EngineConfig":
+        if self.graphs.cuda_graphs and self.graphs.batch_buckets is False:
+            raise ValueError("cuda_graphs replays one graph per batch bucket: it needs batch_buckets")
+        if self.graphs.buckets and self.parallel.world_size > 1:
+            raise ValueError("cuda_graphs and batch_buckets run in one process only (not yet with tensor or "
+                             "pipeline parallelism)")
         return self
 
 

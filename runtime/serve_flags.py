@@ -43,6 +43,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     add_overlap_argument(g)
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture each batch bucket's decode/verify forward as a CUDA graph and replay it (CUDA, one "
+                        "rank; default off)")
+    g.add_argument("--batch-buckets", action=argparse.BooleanOptionalAction, default=None,
+                   help="pad decode/verify steps to batch buckets 1, 2, 4, 8, then every 16, drafts to the step's "
+                        "most (default: on with --cuda-graphs)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="a fuller waiting queue answers 503")
     add_speculative_argument(g)
@@ -132,7 +138,8 @@ def parallel_config(args: argparse.Namespace, environ: Mapping[str, str]):
 def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ):
     """``EngineConfig`` from the model, engine and parallelism argument groups (flags absent from
     ``args`` are unset) and the rendezvous env."""
-    from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
+    from specdecode.runtime.config import (CacheConfig, EngineConfig, GraphConfig, LoadConfig, SchedulerConfig,
+                                           SpeculativeConfig)
 
     get = lambda name: getattr(args, name, None)  # noqa: E731 - a subcommand may lack a group
     load = _set(model=args.model, device=get("device"), dtype=get("dtype"), chat_template=get("chat_template"),
@@ -149,7 +156,8 @@ def engine_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     spec_json = get("speculative_config")
     speculative = SpeculativeConfig.model_validate_json(spec_json) if spec_json else SpeculativeConfig()
     return EngineConfig(load=LoadConfig(**load), cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler),
-                        speculative=speculative, parallel=parallel_config(args, environ))
+                        speculative=speculative, parallel=parallel_config(args, environ),
+                        graphs=GraphConfig(**_set(cuda_graphs=get("cuda_graphs"), batch_buckets=get("batch_buckets"))))
 
 
 def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ):

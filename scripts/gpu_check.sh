@@ -10,7 +10,8 @@
 #                                      --no-deps (the machine's torch and triton stay as they are),
 #                                      then `pytest -m gpu` with TRITON_INTERPRET=0 and ARGS, then
 #                                      `specdecode bench-kernels` and `specdecode bench-step` (dummy
-#                                      weights of .gpu-model/) into ${OUT:-bench-results}
+#                                      weights of .gpu-model/; eager, then CUDA graphs) into
+#                                      ${OUT:-bench-results}
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,8 +53,10 @@ save_model_shape("smollm2-135m", pathlib.Path(sys.argv[1]))' "$MODEL_SHAPE"
       tests/test_cuda.py tests/test_kernels_fused.py tests/test_rng_device.py "$@" || rc=$?
     python3 -P -m specdecode.runtime.cli bench-kernels --output-dir "${OUT:-bench-results}" || rc=$?
     if [ -d "$MODEL_SHAPE" ]; then
-      python3 -P -m specdecode.runtime.cli bench-step --model "$MODEL_SHAPE" --load-format dummy --device cuda \
-        --rounds 1 --output-dir "${OUT:-bench-results}" || rc=$?
+      for graphs in off cuda; do  # eager, then each batch bucket's forward replayed as a CUDA graph
+        python3 -P -m specdecode.runtime.cli bench-step --model "$MODEL_SHAPE" --load-format dummy --device cuda \
+          --graphs "$graphs" --rounds 1 --output-dir "${OUT:-bench-results}" || rc=$?
+      done
     fi
     exit $rc
     ;;

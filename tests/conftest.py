@@ -439,16 +439,18 @@ def sharp(tiny_hf_model_dir):
 
 
 def _make_engine(model, tokenizer, *, num_blocks=512, block_size=16, budget=512, prefix=True, max_seqs=32, spec=None,
-                 device="cpu", dtype=torch.float32, overlap=True):
+                 device="cpu", dtype=torch.float32, overlap=True, buckets=False, cuda_graphs=False):
     """An engine (on the CPU in fp32 unless told); ``spec`` is a SpeculativeConfig dict (snake_case), or
-    None for no drafts at all (not even a grammar's forced tokens)."""
-    from specdecode.runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    None for no drafts at all (not even a grammar's forced tokens); ``buckets``: decode/verify steps
+    padded to batch buckets; ``cuda_graphs``: and replayed as CUDA graphs."""
+    from specdecode.runtime.config import CacheConfig, EngineConfig, GraphConfig, SchedulerConfig, SpeculativeConfig
     from specdecode.runtime.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, overlap=overlap),
         speculative=SpeculativeConfig(**(spec or {"grammar_drafts": False})),
+        graphs=GraphConfig(cuda_graphs=cuda_graphs, batch_buckets=buckets or None),
     )
     return LLMEngine(model, tokenizer, cfg, 2048, torch.device(device), dtype)
 

@@ -8,7 +8,8 @@ arriving at random steps, some aborted a few steps later; greedy or seeded sampl
 a presence penalty, ``n`` = 2), ``max_tokens``, stop strings and stop token ids, EOS honoured or
 not, regex constraints, per-request speculation caps, logprobs. ``Axes`` pick the proposer, the
 verify strategy, overlap and the number of pipeline stages (in one process: pipeline_harness.py);
-the shape turns grammar-aware drafting on (3 workloads in 4) or off.
+the shape turns grammar-aware drafting on (3 workloads in 4) or off, and in one process pads
+decode/verify steps to batch buckets (1 in 2: ``runtime/engine/buckets.py``).
 
 ``FuzzBed.check`` runs a workload and asserts (``Judge``):
 - greedy outputs equal the reference token for token, except at a proven near-tie (top-2 of the
@@ -26,7 +27,7 @@ the shape turns grammar-aware drafting on (3 workloads in 4) or off.
 
 ``Coverage`` counts what a run exercised (preemptions, those made by a look-ahead decode row,
 aborts mid-decode, prefix hits, full and partial acceptance, chunked-prefill splits, overlap
-rebuilds, drafts a grammar refused); tests/test_engine_fuzz.py asserts every count is above zero
+rebuilds, drafts a grammar refused, bucketed steps with padding rows or sequences); tests/test_engine_fuzz.py asserts every count is above zero
 over the CI seed set.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from specdecode.runtime.config import (
     CacheConfig,
     EngineConfig,
+    GraphConfig,
     LoadConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -84,6 +86,7 @@ class Shape:
     max_seqs: int
     k: int  # num_speculative_tokens
     grammar_drafts: bool = True  # constrained sequences draft their forced tokens, drafts drawn under the grammar
+    buckets: bool = False  # decode/verify steps padded to batch buckets (one process only)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ def make_workload(seed: int, axes: Axes, vocab_size: int, decode: Callable[[list
     num_blocks = max(2, needed + rng.randint(0, 4))  # CacheConfig's least (short prompts, few tokens: needed = 1)
     shape = Shape(block_size, num_blocks, rng.randint(6, 32), rng.randint(2, 6), k,
                   grammar_drafts=rng.random() < 0.75)
+    shape = dataclasses.replace(shape, buckets=axes.stages == 1 and rng.random() < 0.5)  # drawn last: earlier draws keep
     return Workload(seed, axes, shape, tuple(requests))
 
 
@@ -274,6 +278,8 @@ class _Spies:
         def launched(scheduled, step, rows):
             coverage["chunked-prefill splits"] += sum(not item.samples for item in scheduled)
             coverage["grammar-refused drafts"] += sum(_refused(row) for row in rows)
+            coverage["padded bucketed steps"] += step.bucket is not None and (len(scheduled) < step.bucket[0] or any(
+                1 + item.num_draft < step.bucket[1] for item in scheduled))
             return launch(scheduled, step, rows)
 
         def verdict(num_draft: int, num_accepted: int) -> None:
@@ -394,6 +400,7 @@ def engine_config(target_dir: Path, workload: Workload, draft_dirs: dict[str, st
                                   overlap=axes.overlap),
         speculative=SpeculativeConfig(**spec),
         parallel=parallel or ParallelConfig(pipeline_parallel_size=axes.stages),
+        graphs=GraphConfig(batch_buckets=shape.buckets and (parallel is None or parallel.world_size == 1)),
     )
 
 

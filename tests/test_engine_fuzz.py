@@ -44,7 +44,8 @@ AXES = [Axes(proposer, strategy, overlap, stages)
         for proposer, strategy, (overlap, stages) in itertools.product(
             PROPOSERS, STRATEGIES, [(False, 1), (True, 1), (True, 2), (False, 2)])]
 COVERED = ("preemptions", "look-ahead preemptions", "aborts mid-decode", "prefix hits", "full acceptance",
-           "partial acceptance", "chunked-prefill splits", "overlap rebuilds", "grammar-refused drafts")
+           "partial acceptance", "chunked-prefill splits", "overlap rebuilds", "grammar-refused drafts",
+           "padded bucketed steps")
 _coverage: dict[Axes, Coverage] = {}  # what each axis combination's seeds exercised in this session
 
 

@@ -1,7 +1,9 @@
 """Host↔device traffic of a step, counted by ``bench/step.py``'s ``counting`` (torch function and
 dispatch modes): a verify step uploads everything the verifier and sampler need once, with reads that
 do not grow with the batch; a whole decode step reads the device once, at batch 1 as at batch 32,
-and its preparation dispatches as many ops at either."""
+and its preparation dispatches as many ops at either; an n-gram verify step's forward and
+verification read it once too (exact shapes and batch buckets), the proposer's drafts once more."""
+import pytest
 import torch
 
 from specdecode.bench.step import counting
@@ -73,3 +75,45 @@ def test_a_decode_step_reads_the_device_once_and_prepares_in_as_many_ops_at_batc
     syncs, uploads, prepare_ops = decode_step(tiny, make_engine, 1)
     assert syncs == 1  # the verdicts
     assert decode_step(tiny, make_engine, 32) == (syncs, uploads, prepare_ops)
+
+
+def verify_step(sharp_target, make_engine, batch: int, buckets: bool) -> tuple[int, int, int]:
+    """(syncs of the forward and verification, syncs of the whole step, its prepare's ops) of the first
+    n-gram verify step (K = 4) over ``batch`` sequences (prompts that repeat, a model that repeats)."""
+    model, tokenizer = sharp_target
+    engine = make_engine(model, tokenizer, overlap=False, buckets=buckets,
+                         spec={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    for i in range(batch):
+        engine.add_request(str(i), [5 + i % 7, 6, 7, 8] * 4, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompts
+    launch, prepare, counts = engine.execution.launch, engine.runner.prepare, {}
+
+    def counted_launch(scheduled, step, rows):
+        with counting() as counted:
+            pending = launch(scheduled, step, rows)  # overlap off: the forward and verification run here
+        if any(item.num_draft for item in scheduled):
+            counts["launch"] = counted["syncs"]
+        return pending
+
+    def counted_prepare(scheduled, pad=True):
+        with counting() as counted:
+            step = prepare(scheduled, pad)
+        counts["prepare ops"] = counted["ops"]
+        return step
+
+    engine.execution.launch, engine.runner.prepare = counted_launch, counted_prepare
+    for _ in range(20):
+        with counting() as counted:
+            engine.step()
+        if "launch" in counts:
+            return counts["launch"], counted["syncs"], counts["prepare ops"]
+    raise AssertionError("no step verified drafts")
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
+def test_a_verify_step_reads_its_forward_and_verdicts_once_at_batch_1_as_at_32(sharp_target, make_engine, buckets):
+    """The forward and verification of an n-gram verify step read the device once (the verdicts); the
+    whole step reads it twice, the n-gram proposer's drafts being the other read."""
+    launch_syncs, step_syncs, prepare_ops = verify_step(sharp_target, make_engine, 1, buckets)
+    assert (launch_syncs, step_syncs) == (1, 2)
+    assert verify_step(sharp_target, make_engine, 32, buckets) == (launch_syncs, step_syncs, prepare_ops)

@@ -34,6 +34,7 @@ import torch
 from specdecode.runtime.config import EngineConfig, VerifyStrategy
 from specdecode.runtime.engine import rng
 from specdecode.runtime.engine.block_manager import BlockManager
+from specdecode.runtime.engine.buckets import batch_buckets
 from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
 from specdecode.runtime.engine.load_control import LoadController
 from specdecode.runtime.engine.execution import Execution, LocalExecution, StepResult
@@ -138,8 +139,8 @@ class LLMEngine:
         self.device = device
         self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, channel)
         spec = cfg.speculative
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, channel, *self._graphs(cfg, device))
         if spec.enabled and spec.verify is VerifyStrategy.TOPP:
             log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")
         self.proposer = proposer or build_proposer(
@@ -162,6 +163,15 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._touched: set[str] = set()
+
+    def _graphs(self, cfg: EngineConfig, device: torch.device) -> tuple[list[int] | None, int | None]:
+        """The runner's batch buckets and, with CUDA graphs, their block-table width: room for any
+        position a padded row reaches (the context plus the most drafts)."""
+        if cfg.graphs.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device (the engine runs on {device})")
+        buckets = batch_buckets(cfg.scheduler.max_num_seqs) if cfg.graphs.buckets else None
+        reach = self.max_model_len + cfg.speculative.max_drafts + 1
+        return buckets, -(-reach // cfg.cache.block_size) if cfg.graphs.cuda_graphs else None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError with a user-facing message if it can never run."""
@@ -318,7 +328,7 @@ class LLMEngine:
             self._event("rebuilt: a decode row preempted a sequence built ahead", self._step_number + 1)
         if rebuilt or ahead_inputs is None:
             return self._build(scheduled)
-        return self._build(scheduled, self.runner.prepare(decode).then(ahead_inputs) if decode else ahead_inputs)
+        return self._build(scheduled, self.runner.prepare(decode, pad=False).then(ahead_inputs) if decode else ahead_inputs)
 
     def _apply(self, plan: _Plan, result: StepResult) -> None:
         """Accept step N's verdicts, let the proposer observe, commit the full blocks."""

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.runtime.config import CacheConfig
+from specdecode.runtime.engine.buckets import bucketable, bucketed_lists
+from specdecode.runtime.engine.cuda_graphs import CudaGraphs
 from specdecode.runtime.engine.sampler import gather_logprobs
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import TokenLogprob
@@ -55,7 +57,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         channel: StepChannel | None = None,
+        buckets: list[int] | None = None,
+        graph_width: int | None = None,
     ):
+        """``buckets``: pad decode/verify steps to these batch sizes (``buckets.py``); ``graph_width``:
+        with them, replay each bucket's forward as a CUDA graph over block tables this wide."""
         c = model.config
         self.model = model
         self.num_blocks = num_blocks
@@ -67,6 +73,9 @@ class ModelRunner:
         self.kv_pools = [kv_pool(num_blocks, block_size, model.num_local_kv_heads, c.head_dim, dtype=dtype, device=device)
                          for _ in range(model.num_local_layers)]
         self.num_forwards = 0
+        self.buckets = buckets
+        self.graphs = None if graph_width is None else CudaGraphs(lambda ids, batch: model(ids, self.kv_pools, batch),
+                                                                  graph_width)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
@@ -76,7 +85,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepOutput:
         """The forward of a prepared step (with the other tensor-parallel ranks, through the channel)."""
-        if self.channel is None:
+        if self.graphs is not None and step.bucket is not None and self.graphs.fits(step.batch):
+            self.num_forwards += 1
+            hidden = self.graphs.run(step.input_ids, step.batch, step.bucket)
+        elif self.channel is None:
             hidden = self.forward(step.input_ids, step.batch)
         else:
             hidden = self.channel.run_step(step.input_ids, step.batch, self.forward)
@@ -100,7 +112,11 @@ class ModelRunner:
         self.num_forwards += 1
         return self.model(inputs, self.kv_pools, batch)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> PreparedStep:
+    def prepare(self, scheduled: list[ScheduledSeq], pad: bool = True) -> PreparedStep:
+        """The step's inputs on the device; a decode/verify step padded to its batch bucket where the
+        runner has buckets (``pad``: False for rows that will be joined to others)."""
+        if pad and self.buckets is not None and bucketable(scheduled, self.buckets):
+            return self._prepare_bucketed(scheduled)
         tokens: list[int] = []
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
@@ -123,6 +139,20 @@ class ModelRunner:
         return PreparedStep(input_ids, lists.batch(batch), sample_at, prompt_at, prompt_token_ids, prompt_num_top,
                             self.null_block)
 
+    def _prepare_bucketed(self, scheduled: list[ScheduledSeq]) -> PreparedStep:
+        lists = bucketed_lists(scheduled, self.buckets, self.block_size, self.null_block,
+                               self.model.config.max_position_embeddings, self.graphs.width if self.graphs else 0)
+        input_ids, sample_at, prompt_at, positions, slots, tables, seq_lens, starts = upload(
+            [lists.tokens, lists.sample_rows, [], lists.positions, lists.slots, lists.tables, lists.seq_lens,
+             lists.starts], self.device)
+        batch = AttentionBatch(positions=positions, slot_mapping=slots,
+                               block_tables=tables.view(lists.num_seqs, lists.width), seq_lens=seq_lens,
+                               query_start=starts, block_size=self.block_size, max_query_len=lists.query_len,
+                               query_start_list=lists.starts, seq_lens_list=lists.seq_lens,
+                               uniform_query_len=lists.query_len)
+        return PreparedStep(input_ids, batch, sample_at, prompt_at, [], [], self.null_block,
+                            bucket=(lists.num_seqs, lists.query_len))
+
 
 @dataclass
 class PreparedStep:
@@ -135,6 +165,7 @@ class PreparedStep:
     prompt_token_ids: list[int]  # [P] the prompt token each of them scores
     prompt_num_top: list[int]  # [P] the alternatives asked for with each
     null_block: int  # the pools' null block (block-table padding)
+    bucket: tuple[int, int] | None = None  # (B_pad, Q) of a bucketed step (``buckets.py``); None: exact shapes
 
     def then(self, other: PreparedStep) -> PreparedStep:
         """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a

@@ -10,8 +10,9 @@ What a step carries is metadata, not masks (``AttentionBatch``): the rows of a s
 sequence b's ``query_start[b] : query_start[b + 1]``, at consecutive positions ending at
 ``seq_lens[b] − 1``; row i attends positions ``0 … its own`` of its sequence, through its block
 table, except the ``hidden_keys`` an MTP chain step names. Block-table padding points at the null
-block, so a padded entry never touches a real block (the padded batch buckets still to come write
-their padding rows' K/V there too).
+block, so a padded entry never touches a real block; a bucketed step's padding rows write their
+K/V there too (``engine/buckets.py``), and its one CPU group has shapes that depend on the bucket
+only (``_uniform_group``).
 Rejected or stale slots need no cleanup: a row never reads past its own position.
 
 On CUDA the Triton kernels of ``specdecode.kernels.paged_attention`` attend in place (one for a few
@@ -21,8 +22,7 @@ gathers a prefill chunk's keys for one SDPA call (docs/runtime.md, "CPU attentio
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +58,24 @@ class AttentionBatch:
     # without reading the device (a batch received from rank 0 has none: they are read back once)
     query_start_list: list[int] | None = None
     seq_lens_list: list[int] | None = None
+    # Q: every sequence has exactly Q rows (a bucketed step): the CPU path's one group is built from
+    # the device tensors alone, with shapes that depend on B, Q and the table width only
+    uniform_query_len: int | None = None
+    _groups: list[SequenceGroup] | None = field(default=None, init=False, repr=False)
 
-    @cached_property
+    @property
     def groups(self) -> list[SequenceGroup]:
-        """The CPU path's padded groups of sequences (built once per step from the metadata): every
-        short sequence (≤ ``MAX_DECODE_QUERY_LEN`` rows) in one, each longer one alone, so a
-        512-row prefill chunk never pads the decode rows of the others."""
+        """The CPU path's padded groups of sequences, built by the first layer and kept for the others
+        (a plain attribute, not ``cached_property``, whose lock ``torch.compile`` cannot trace)."""
+        if self._groups is None:
+            self._groups = self._build_groups()
+        return self._groups
+
+    def _build_groups(self) -> list[SequenceGroup]:
+        """Every short sequence (≤ ``MAX_DECODE_QUERY_LEN`` rows) in one group, each longer one alone,
+        so a 512-row prefill chunk never pads the decode rows of the others; a bucketed step is one group."""
+        if self.uniform_query_len is not None:
+            return [_uniform_group(self, self.uniform_query_len)]
         starts = self.query_start.tolist() if self.query_start_list is None else self.query_start_list
         lens = self.seq_lens.tolist() if self.seq_lens_list is None else self.seq_lens_list
         rows = [b - a for a, b in zip(starts, starts[1:])]
@@ -103,6 +115,20 @@ def _group(batch: AttentionBatch, sequences: list[int], starts: list[int], lens:
     return SequenceGroup(token_index=torch.where(valid, first + offsets[None, :], 0),
                          valid_rows=torch.tensor(valid_rows, device=device),
                          block_tables=batch.block_tables.index_select(0, index)[:, :width],
+                         mask=mask.unsqueeze(1), any_hidden=batch.hidden_keys is not None)
+
+
+def _uniform_group(batch: AttentionBatch, q_len: int) -> SequenceGroup:
+    """All of a bucketed step's sequences, Q rows each, over their whole block tables: static shapes,
+    no host list and no read of the device (what ``torch.compile(fullgraph=True)`` and graph capture
+    need); a row attends the keys up to its own position."""
+    device, (bsz, width) = batch.block_tables.device, batch.block_tables.shape
+    rows = torch.arange(bsz * q_len, device=device)
+    keys = torch.arange(width * batch.block_size, device=device)
+    mask = keys[None, None, :] <= batch.positions.view(bsz, q_len, 1)  # [B, Q, M·block_size]
+    if batch.hidden_keys is not None:
+        mask &= ~(keys[None, None, :] == batch.hidden_keys[:, :, None]).any(1)[:, None, :]
+    return SequenceGroup(token_index=rows.view(bsz, q_len), valid_rows=rows, block_tables=batch.block_tables,
                          mask=mask.unsqueeze(1), any_hidden=batch.hidden_keys is not None)
 
 
