@@ -1,8 +1,12 @@
 """The CustomResourceDefinition, generated from the pydantic models in ``spec.py``.
 
-``python -P -m specdecode.operator.crd [PATH ...]`` writes it to ``crds/`` and to the Helm chart's
-``charts/specdecode/crds/`` (``--check`` compares instead); tests prove both equal what the models
-generate, so schema, chart, operator and runtime cannot drift.
+``python -P -m specdecode.operator.crd [PATH ...]`` writes it to ``crds/`` and to the CRD's own Helm
+chart, ``charts/specdecode-crds/templates/`` (``--check`` compares instead); tests prove both equal
+what the models generate, so schema, chart, operator and runtime cannot drift. The CRD is a
+template of its own chart, not in the operator chart's ``crds/``, because Helm installs a ``crds/``
+folder once and never upgrades it: a new status field would be pruned and a new enum value refused
+until someone applied the CRD by hand (KServe ships its CRDs the same way). ``helm.sh/resource-policy:
+keep`` keeps it, and so every SpecDecodeDeployment, when that chart is uninstalled.
 
 pydantic's JSON schema is turned into a *structural* OpenAPI v3 schema, as the API server
 requires: ``$ref`` inlined, ``Optional`` unions collapsed, ``int | str`` as
@@ -28,8 +32,9 @@ from specdecode.operator import names
 from specdecode.operator.spec import SpecDecodeDeploymentSpec, SpecDecodeDeploymentStatus, in_crd_spelling
 
 CRD_FILE = f"{names.GROUP}_{names.PLURAL}.yaml"
-# Relative to the repository root: the plain manifests, and the copy Helm installs from its crds/.
-CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts/specdecode/crds") / CRD_FILE)
+# Relative to the repository root: the plain manifests, and the CRD chart's template (the same text:
+# nothing in it is templated).
+CRD_PATHS = (Path("crds") / CRD_FILE, Path("charts/specdecode-crds/templates") / CRD_FILE)
 HEADER = "# Generated from specdecode/operator/spec.py by `python -P -m specdecode.operator.crd`; do not edit.\n"
 
 Schema = dict[str, Any]
@@ -197,7 +202,8 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": names.CRD_NAME, "labels": {names.LABEL_NAME: names.APP}},
+        "metadata": {"name": names.CRD_NAME, "labels": {names.LABEL_NAME: names.APP},
+                     "annotations": {"helm.sh/resource-policy": "keep"}},
         "spec": {
             "group": names.GROUP,
             "scope": "Namespaced",

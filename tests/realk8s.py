@@ -404,9 +404,11 @@ def _get(url: str, token: str | None = None, context: ssl.SSLContext | None = No
 
 
 def chart_crds() -> list[Obj]:
-    """The chart's crds/ folder, which Helm installs before any template."""
-    folder = REPO / "charts" / "specdecode" / "crds"
-    return [obj for path in sorted(folder.glob("*.yaml")) for obj in yaml.safe_load_all(path.read_text()) if obj]
+    """The CRDs the charts install: the CRD chart's templates (installed before the operator chart)
+    and whatever the operator chart's crds/ folder holds (which Helm installs before its templates)."""
+    folders = [REPO / "charts" / "specdecode-crds" / "templates", REPO / "charts" / "specdecode" / "crds"]
+    return [obj for folder in folders for path in sorted(folder.glob("*.yaml"))
+            for obj in yaml.safe_load_all(path.read_text()) if obj]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from specdecode.operator.spec import SpecDecodeDeploymentSpec
 from specdecode.runtime.config import SpeculativeConfig
 
 REPO = Path(__file__).resolve().parents[1]
-CRD_COPIES = [REPO / path for path in crd.CRD_PATHS]  # crds/ and the Helm chart's crds/
+CRD_COPIES = [REPO / path for path in crd.CRD_PATHS]  # crds/ and the CRD chart's template
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 INVALID = [p for p in EXAMPLES if p.name.startswith("invalid")]
 VALID = [p for p in EXAMPLES if p not in INVALID]
@@ -45,7 +45,7 @@ def test_crd_files_equal_what_the_models_generate(path):
 
 def test_generator_writes_and_checks_every_copy(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert [p.parent.as_posix() for p in crd.CRD_PATHS] == ["crds", "charts/specdecode/crds"]
+    assert [p.parent.as_posix() for p in crd.CRD_PATHS] == ["crds", "charts/specdecode-crds/templates"]
     assert crd.main(["--check"]) == 0  # the defaults: both copies in the repository
     monkeypatch.chdir(tmp_path)
     assert crd.main([]) == 0 and crd.main(["--check"]) == 0
