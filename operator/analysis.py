@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.operator import names
 from specdecode.operator.resolve import duration_seconds
-from specdecode.operator.spec import Analysis, MeasuredAcceptance
+from specdecode.operator.spec import Analysis, CountedVerdict, MeasuredAcceptance
 
 METRIC_PREFIX = "specdecode:"  # the runtime's (runtime/server/metrics.py PREFIX); a test ties the two
 P95 = 0.95
@@ -277,6 +277,25 @@ class Verdict:
     @property
     def message(self) -> str:
         return f"{self.result.value}: " + "; ".join(self.reasons)
+
+
+KEPT_VERDICTS = 10  # counted verdicts kept in status
+
+
+def already_counted(verdict: Verdict, counted: Sequence[CountedVerdict], interval: timedelta) -> bool:
+    """Whether ``verdict`` judges an interval a counted verdict judged: its window ends within half
+    an interval of the last counted window on the same revision (or before it). Verdicts are one
+    per interval; a second one so soon comes from a second writer, a pass planned again after a
+    conflict, or a new leader judging what the last one did."""
+    last = next((c for c in reversed(counted) if c.revision == verdict.measurement.revision), None)
+    return last is not None and verdict.measurement.end - last.end < interval / 2
+
+
+def counting(counted: Sequence[CountedVerdict], verdict: Verdict) -> tuple[CountedVerdict, ...]:
+    """``counted`` with ``verdict`` (its window) added: the last ``KEPT_VERDICTS`` on its revision."""
+    m = verdict.measurement
+    new = CountedVerdict(revision=m.revision, result=verdict.result.value, start=m.start, end=m.end)
+    return (*(c for c in counted if c.revision == m.revision), new)[-KEPT_VERDICTS:]
 
 
 def _spelling(field_name: str) -> str:

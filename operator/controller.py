@@ -8,7 +8,8 @@ create/update/resume (spec changes and command annotations), an event on one of 
 the analysis daemon every ``analysis.interval`` while a canary exists (``analyze=True`` adds a
 verdict from the canary pods' ``/metrics`` or from Prometheus). Runs of one resource are
 serialised by a lock, and each starts from a fresh read, so concurrent triggers cannot apply a
-stale state.
+stale state; the status write carries the resourceVersion read, so neither can another writer's
+(another replica during a failover overlap): a 409 reads again and plans again.
 
 Writes are all or nothing: every write a pass would make (deletes, scale-downs, applies) is
 dry-run first (``dryRun=All``: validation, webhooks, policy engines and quotas answer, nothing is
@@ -23,17 +24,15 @@ group from starting again.
 
 Configuration comes from the environment once, in the startup handler (``OperatorConfig``).
 
-High availability: the chart runs the operator as a StatefulSet of several replicas peered by kopf
-(``kopf run --peering``): each replica's priority comes from its ordinal (``peering_priority``), so
-no two share one — kopf pauses every replica that sees another of the same priority — and the
-lowest ordinal running reconciles while the others stand by. Every replica serves the admission
-webhook, paused or not.
+High availability: the chart runs several replicas; the one holding the release's Lease
+reconciles, every replica serves the admission webhook (``leadership``: the Lease, and how kopf
+is kept from acting on a standby). Without a Lease configured the operator leads alone.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,10 +41,19 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+import kubernetes
 
 from specdecode.operator import kube, names
 from specdecode.operator.analysis import Verdict
 from specdecode.operator.failures import FAILED_CREATE, told_by_events
+from specdecode.operator.leadership import (
+    Alone,
+    Elector,
+    LeaderDiffBaseStorage,
+    Leadership,
+    LeaderProgressStorage,
+    LeaseTiming,
+)
 from specdecode.operator.group_restart import GroupChange, group_changes, record_patch, restart_event
 from specdecode.operator.loop import Carried, Observed, Outcome, Unwritten, converge
 from specdecode.operator.metrics import OperatorMetrics
@@ -78,11 +86,15 @@ ENV_WEBHOOK_PORT = "SPECDECODE_WEBHOOK_PORT"
 ENV_WEBHOOK_CERT_DIR = "SPECDECODE_WEBHOOK_CERT_DIR"
 ENV_METRICS_PORT = "SPECDECODE_METRICS_PORT"
 ENV_KUBECONFIG = "KUBECONFIG"
-ENV_POD_ID = "POD_ID"  # kopf's: this replica's identity among its peers (the chart: the pod's name)
-ENV_PEERING_LIFETIME = "SPECDECODE_PEERING_LIFETIME_SECONDS"
+ENV_POD_ID = "POD_ID"  # kopf's identity of this replica, and the Lease's holder (the chart: the pod's name)
+ENV_POD_NAMESPACE = "POD_NAMESPACE"  # where the Lease is
+ENV_LEASE_NAME = "SPECDECODE_LEASE_NAME"  # unset: no Lease, this replica leads alone
+ENV_LEASE_TIMING = {"duration": "SPECDECODE_LEASE_DURATION_SECONDS",
+                    "renew_deadline": "SPECDECODE_LEASE_RENEW_DEADLINE_SECONDS",
+                    "retry_period": "SPECDECODE_LEASE_RETRY_PERIOD_SECONDS"}
 DEFAULT_METRICS_PORT = 8081
+CONFLICT_ATTEMPTS = 5  # passes of one reconciliation whose status write another writer beat
 RETRY_FIRST_SECONDS, RETRY_MAX_SECONDS = 5.0, 300.0  # backoff after writes the API server did not take
-TOP_PEERING_PRIORITY = 100  # of ordinal 0; below kopf's --dev (666), so that a developer's operator takes over
 # What the operator watches besides its resource, asked of the API server by label (kopf's
 # ``settings.watching.label_selectors``): its workloads and its runtime pods, nothing else in the cluster.
 WORKLOAD_LABELS = {names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: names.COMPONENT_RUNTIME}
@@ -97,28 +109,30 @@ class OperatorConfig:
     webhook_cert_dir: Path | None = None  # tls.crt + tls.key; None: plain HTTP
     metrics_port: int = DEFAULT_METRICS_PORT
     kubeconfig: str | None = None  # outside a cluster
-    peering_priority: int | None = None  # None: kopf's (--priority, default 0)
-    peering_lifetime: int | None = None  # seconds a crashed replica's record holds the others back; None: kopf's 60
+    lease: LeaseConfig | None = None  # None: no Lease, this replica leads alone
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         def value(key: str) -> str | None:
             return env.get(key, "").strip() or None  # unset and empty alike
 
-        webhook_port, cert_dir, metrics_port, lifetime = (value(k) for k in (
-            ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR, ENV_METRICS_PORT, ENV_PEERING_LIFETIME))
+        webhook_port, cert_dir, metrics_port, lease_name = (value(k) for k in (
+            ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR, ENV_METRICS_PORT, ENV_LEASE_NAME))
+        timing = {key: float(seconds) for key, env_key in ENV_LEASE_TIMING.items() if (seconds := value(env_key))}
+        lease = LeaseConfig(lease_name, value(ENV_POD_NAMESPACE) or "default", value(ENV_POD_ID) or socket.gethostname(),
+                            LeaseTiming(**timing)) if lease_name else None
         return cls(webhook_port=int(webhook_port) if webhook_port else None,
                    webhook_cert_dir=Path(cert_dir) if cert_dir else None,
                    metrics_port=int(metrics_port) if metrics_port else DEFAULT_METRICS_PORT,
-                   kubeconfig=value(ENV_KUBECONFIG), peering_priority=peering_priority(value(ENV_POD_ID)),
-                   peering_lifetime=int(lifetime) if lifetime else None)
+                   kubeconfig=value(ENV_KUBECONFIG), lease=lease)
 
 
-def peering_priority(pod_id: str | None) -> int | None:
-    """The priority of StatefulSet pod ``<name>-<ordinal>`` among its peers: ordinal 0 highest,
-    each ordinal its own; None for any other identity."""
-    ordinal = re.fullmatch(r".+-(\d+)", pod_id or "")
-    return TOP_PEERING_PRIORITY - int(ordinal[1]) if ordinal else None
+@dataclass(frozen=True)
+class LeaseConfig:
+    name: str
+    namespace: str
+    identity: str  # the holder's name: this pod's
+    timing: LeaseTiming = LeaseTiming()
 
 
 async def no_webhook_server(fn: Any) -> Any:
@@ -139,22 +153,19 @@ def webhook_server(config: OperatorConfig, logger: logging.Logger) -> Any:
                               certfile=config.webhook_cert_dir / "tls.crt", pkeyfile=config.webhook_cert_dir / "tls.key")
 
 
-def configure(settings: kopf.OperatorSettings, config: OperatorConfig, logger: logging.Logger) -> None:
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig, leadership: Leadership,
+              logger: logging.Logger) -> None:
     """kopf's settings: state in annotations (the CRD's structural schema has no room for kopf in
-    status), a finalizer in our group (kopf needs one to stop the analysis daemon), handler logs
-    posted as Events only from warnings up, the webhook server, the watches' label selectors
-    (``WATCHED``), and this replica's peering priority and lifetime."""
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+    status), written only while leading (``leadership``), a finalizer in our group (kopf needs one
+    to stop the analysis daemon), handler logs posted as Events only from warnings up, the webhook
+    server, and the watches' label selectors (``WATCHED``)."""
+    settings.persistence.progress_storage = LeaderProgressStorage(leadership, prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = LeaderDiffBaseStorage(leadership, prefix=KOPF_PREFIX)
     settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING
     settings.admission.server = webhook_server(config, logger)
     for resource, labels in WATCHED.items():
         settings.watching.label_selectors[resource] = names.label_selector(labels)
-    if config.peering_priority is not None:
-        settings.peering.priority = config.peering_priority
-    if config.peering_lifetime is not None:
-        settings.peering.lifetime = config.peering_lifetime
 
 
 # -- per-resource memory ------------------------------------------------------------------------
@@ -187,6 +198,10 @@ class Memory:
             self._locks.pop((namespace, name), None)
             self._carried.pop((namespace, name), None)
 
+    def forget_carried(self) -> None:
+        """Drop every resource's samples and probes: another leader may have moved on meanwhile."""
+        self._carried.clear()
+
 
 @dataclass
 class Context:
@@ -194,15 +209,27 @@ class Context:
 
     cluster: kube.Cluster
     metrics: OperatorMetrics
+    leadership: Leadership = field(default_factory=Alone)
     memory: Memory = field(default_factory=Memory)
 
     @classmethod
-    def start(cls, config: OperatorConfig) -> Context:
+    def start(cls, config: OperatorConfig, logger: logging.Logger) -> Context:
+        """The shared state, with the Lease's elector not yet competing (``lead``)."""
         metrics = OperatorMetrics()
         metrics.serve(config.metrics_port)
-        return cls(kube.Cluster(config.kubeconfig), metrics)
+        cluster = kube.Cluster(config.kubeconfig)
+        lease = config.lease
+        leadership = Alone() if lease is None else Elector(
+            kubernetes.client.CoordinationV1Api(cluster.api), lease.namespace, lease.name, lease.identity,
+            lease.timing, logger)
+        return cls(cluster, metrics, leadership)
+
+    def lead(self, diffbase: kopf.DiffBaseStorage, logger: logging.Logger) -> None:
+        """Compete for the Lease; each time this replica starts leading, it takes over."""
+        self.leadership.start(lambda: take_over(self, diffbase, logger))
 
     def stop(self) -> None:
+        self.leadership.stop()
         self.metrics.stop()
 
     def forget(self, namespace: str, name: str) -> None:
@@ -217,27 +244,82 @@ def analysis_interval(body: Mapping[str, Any]) -> float:
     return duration_seconds(analysis.interval)
 
 
+def take_over(ctx: Context, diffbase: kopf.DiffBaseStorage, logger: logging.Logger) -> None:
+    """Reconcile every resource once, as this replica starts leading: kopf does not fire again a
+    change it saw while this replica stood by (nor one the last leader had not finished). The old
+    spec is the one kopf last handled (its diff-base), as the change handlers would have it."""
+    ctx.memory.forget_carried()
+    try:
+        listed = kubernetes.client.CustomObjectsApi(ctx.cluster.api).list_cluster_custom_object(
+            names.GROUP, names.VERSION, names.PLURAL)
+    except (kubernetes.client.ApiException, *kube.NO_ANSWER) as exc:
+        logger.warning("takeover: resources not listed (%s); kopf's triggers reconcile them", exc)
+        return
+    for body in listed["items"]:
+        meta = body["metadata"]
+        try:
+            reconcile(ctx, meta["namespace"], meta["name"], logger, old=diffbase.fetch(body=kopf.Body(body)))
+        except WritesFailed as exc:  # in status already; the change handlers retry
+            logger.warning("takeover of %s/%s: %s", meta["namespace"], meta["name"], exc)
+
+
 # -- one reconciliation -------------------------------------------------------------------------
 
 
 def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
               old: Mapping[str, Any] | None = None, analyze: bool = False) -> bool:
-    """One pass; False when the resource is gone or going (nothing was done). Raises
-    ``WritesFailed`` when the API server did not take its writes (after the status says so)."""
+    """One pass; False when the resource is gone or going (nothing was done). A pass whose status
+    write finds the resource changed since it was read (``StatusConflict``) reads it again and
+    plans again, up to ``CONFLICT_ATTEMPTS`` times. Raises ``WritesFailed`` when the API server did
+    not take its writes (after the status says so), or the resource changed under every pass."""
     with ctx.memory.lock(namespace, name), ctx.metrics.counting_errors(namespace, name):
-        body = ctx.cluster.get(namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return False
-        now = datetime.now(timezone.utc)
-        status = read_status(body)
-        # the old spec counts for the immutable fields only if it was ever served
-        served = status.stable_revision is not None and not is_not_ready(status, INVALID_SPEC)
-        resolution = resolve(body, old if served else None)
-        if resolution.resolved is None:
-            _refuse(ctx, body, status, resolution.message, now)
-        else:
-            _converge(ctx, body, resolution.resolved, status, now, logger, analyze=analyze)
-        return True
+        if not ctx.leadership.leading():  # a standby writes nothing, whatever triggered it
+            return True
+        for _ in range(CONFLICT_ATTEMPTS):
+            try:
+                return _pass(ctx, namespace, name, logger, old=old, analyze=analyze)
+            except StatusConflict:
+                logger.info("%s/%s changed since it was read: reading it again, planning again", namespace, name)
+        raise WritesFailed(f"the resource changed under {CONFLICT_ATTEMPTS} passes in a row")
+
+
+def _pass(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
+          old: Mapping[str, Any] | None, analyze: bool) -> bool:
+    body = ctx.cluster.get(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return False
+    now = datetime.now(timezone.utc)
+    status = read_status(body)
+    # the old spec counts for the immutable fields only if it was ever served
+    served = status.stable_revision is not None and not is_not_ready(status, INVALID_SPEC)
+    resolution = resolve(body, old if served else None)
+    if resolution.resolved is None:
+        _refuse(ctx, body, status, resolution.message, now)
+    else:
+        _converge(ctx, body, resolution.resolved, status, now, logger, analyze=analyze)
+    return True
+
+
+class StatusConflict(Exception):
+    """The resource was written since this pass read it (409 on the resourceVersion its status
+    write carried): what the pass planned may rest on a stale status."""
+
+
+def write_status(cluster: kube.Cluster, body: Mapping[str, Any], status: Obj) -> None:
+    """Merge-patch the resource's status on condition that it is still the version ``body`` is
+    (its resourceVersion rides in the patch, so the API server answers 409 otherwise): two
+    writers can never both apply a change planned from the same status. Gone: nothing to say."""
+    meta = body["metadata"]
+    patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": status}
+    try:
+        kubernetes.client.CustomObjectsApi(cluster.api).patch_namespaced_custom_object_status(
+            names.GROUP, names.VERSION, meta["namespace"], names.PLURAL, meta["name"], patch,
+            field_manager=names.MANAGER, _content_type=kube.MERGE_PATCH)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 409:
+            raise StatusConflict(str(exc.reason)) from exc
+        if exc.status != 404:
+            raise
 
 
 def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentStatus, message: str,
@@ -247,7 +329,7 @@ def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentS
     if is_not_ready(status, INVALID_SPEC, message) and status.observed_generation == meta.get("generation"):
         return
     new = not_ready(status, INVALID_SPEC, message, now).model_copy(update={"observed_generation": meta.get("generation")})
-    ctx.cluster.patch_status(meta["namespace"], meta["name"], status_patch(new))
+    write_status(ctx.cluster, body, status_patch(new))
     kube.post_events(body, [Event(EventType.WARNING, "InvalidSpec", message)])
 
 
@@ -338,7 +420,7 @@ class KubeBackend:
         return list(serving_endpoints(self.cluster.pods(r.namespace, selector)))
 
     def write_status(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> None:
-        self.cluster.patch_status(r.namespace, r.name, status_patch(status))
+        write_status(self.cluster, self.body, status_patch(status))
 
     def post_events(self, r: Resolved, events: Sequence[Event]) -> None:
         kube.post_events(self.body, events)

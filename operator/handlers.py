@@ -1,15 +1,17 @@
 """Every kopf handler of the operator; each unpacks its arguments and calls one function.
 
-Run as the Helm chart does, in every replica (kopf's peering in the ClusterKopfPeering named after
-the release, here ``specdecode-operator``, lets one act; see ``controller``)::
+Run as the Helm chart does, in every replica (the one holding the release's Lease reconciles, all
+serve the webhook; see ``leadership``)::
 
-    kopf run --all-namespaces --peering=specdecode-operator --liveness=http://0.0.0.0:8080/healthz \
+    kopf run --standalone --all-namespaces --liveness=http://0.0.0.0:8080/healthz \
         -m specdecode.operator.handlers
 
 Environment (read once, at startup): ``SPECDECODE_WEBHOOK_PORT`` (unset or empty: no webhook
 server), ``SPECDECODE_WEBHOOK_CERT_DIR`` (tls.crt, tls.key), ``SPECDECODE_METRICS_PORT`` (default
-8081), ``POD_ID`` (the pod's name: kopf's peer identity, and the priority from its ordinal),
-``SPECDECODE_PEERING_LIFETIME_SECONDS`` (default kopf's 60), ``KUBECONFIG`` outside a cluster.
+8081), ``SPECDECODE_LEASE_NAME`` (unset: no Lease, this replica leads alone) with ``POD_NAMESPACE``
+(where it is), ``POD_ID`` (the holder's name: the pod's) and ``SPECDECODE_LEASE_DURATION_SECONDS``,
+``_RENEW_DEADLINE_SECONDS``, ``_RETRY_PERIOD_SECONDS`` (default 15, 10, 2), ``KUBECONFIG`` outside
+a cluster.
 The validating webhook answers on ``/{WEBHOOK_ID}``
 (kopf routes by handler id); the chart's ValidatingWebhookConfiguration points there.
 
@@ -41,8 +43,9 @@ NOT_WAITING = frozenset({INVALID_SPEC, CHILD_REFUSED, APPLY_FAILED, ROUTE_REFUSE
 @kopf.on.startup()
 def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     config = controller.OperatorConfig.from_env(os.environ)
-    controller.configure(settings, config, logger)
-    memo.ctx = controller.Context.start(config)
+    memo.ctx = controller.Context.start(config, logger)
+    controller.configure(settings, config, memo.ctx.leadership, logger)
+    memo.ctx.lead(settings.persistence.diffbase_storage, logger)
 
 
 @kopf.on.cleanup()
@@ -50,9 +53,16 @@ def stop(memo: kopf.Memo, **_: Any) -> None:
     memo.ctx.stop()
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE)
+def leading(memo: kopf.Memo, **_: Any) -> bool:
+    """Whether this replica holds the Lease: the filter of every handler that reconciles on an
+    event. Not of the analysis daemon and the resync timer (kopf's finalizer follows their filters,
+    which must agree between replicas); ``controller.reconcile`` checks it again in every case."""
+    return memo.ctx.leadership.leading()
+
+
+@kopf.on.resume(*RESOURCE, when=leading)
+@kopf.on.create(*RESOURCE, when=leading)
+@kopf.on.update(*RESOURCE, when=leading)
 def reconcile(namespace: str, name: str, old: Any, retry: int, memo: kopf.Memo, logger: logging.Logger,
               **_: Any) -> None:
     """Spec changes and the command annotations (promote, abort, pause, resume); tried again, with
@@ -120,10 +130,10 @@ def resync(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, *
     reconcile_without_retry(memo.ctx, namespace, name, logger)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS)
-@kopf.on.event("apps", "v1", "statefulsets", labels=WORKLOADS)
-@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=WORKLOADS)
-@kopf.on.event("v1", "pods", labels=RUNTIME_PODS)
+@kopf.on.event("apps", "v1", "deployments", labels=WORKLOADS, when=leading)
+@kopf.on.event("apps", "v1", "statefulsets", labels=WORKLOADS, when=leading)
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=WORKLOADS, when=leading)
+@kopf.on.event("v1", "pods", labels=RUNTIME_PODS, when=leading)
 def workload_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logger: logging.Logger,
                      **_: Any) -> None:
     """A workload's readiness moves the rollout on (and a deleted one is made again); a runtime

@@ -27,6 +27,8 @@ from specdecode.operator.analysis import (
     History,
     Measurement,
     Verdict,
+    already_counted,
+    counting,
     judge,
     measurement_from_prometheus,
     parse_metrics,
@@ -120,6 +122,7 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     observed = backend.observe(r, status)
     history, probing = carried.history, carried.probing
     verdict, history = analyse(backend, r, observed, status, now, history, logger) if analyze else (None, history)
+    verdict = _uncounted(verdict, r, status, logger)
     probed, probing = probe_outputs(backend, r, observed, status, probing) if analyze else (None, probing)
     canary = status.canary_revision
     seen = equivalence.recorded(status.equivalence, probed) if probed is not None else status.equivalence
@@ -132,6 +135,9 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
     settled = weight_in_effect(t.status, weight, r.spec, now) if outcome.weight_carried else t.status
     new = settled.model_copy(update={"observed_generation": generation, "warnings": (*r.warnings, *outcome.warnings),
                                      **outcome.status})
+    if verdict is not None and verdict.measurement.revision == new.canary_revision:
+        new = new.model_copy(update={"rollout": new.rollout.model_copy(
+            update={"verdicts": counting(new.rollout.verdicts, verdict)})})
     events = [*t.events, *outcome.events]
     if probed is not None:
         new = new.model_copy(update={"equivalence": seen})
@@ -148,6 +154,18 @@ def converge(backend: Backend[O], r: Resolved, status: SpecDecodeDeploymentStatu
 
 
 # -- analysis -----------------------------------------------------------------------------------
+
+
+def _uncounted(verdict: Verdict | None, r: Resolved, status: SpecDecodeDeploymentStatus,
+               logger: logging.Logger) -> Verdict | None:
+    """``verdict``, unless status shows its interval counted already (``analysis.already_counted``)."""
+    interval = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.interval))
+    if verdict is None or not already_counted(verdict, status.rollout.verdicts, interval):
+        return verdict
+    m = verdict.measurement
+    logger.info("verdict on %s over %s to %s not counted: its interval was counted already", m.revision,
+                m.start.isoformat(), m.end.isoformat())
+    return None
 
 
 def analyse(backend: Backend[O], r: Resolved, observed: O, status: SpecDecodeDeploymentStatus, now: datetime,

@@ -311,6 +311,17 @@ class MeasuredAcceptance(Shared):
     measured_at: datetime | None = None
 
 
+class CountedVerdict(Shared):
+    """An analysis verdict the rollout counted, with the window it judged: one per analysis
+    interval, so that a second writer or a new leader judging the same interval again (a window
+    ending within half an interval of this one's end) is not counted twice."""
+
+    revision: str
+    result: str = Field(description="Pass, Fail or Inconclusive")
+    start: datetime
+    end: datetime
+
+
 class RolloutPhase(str, Enum):
     STABLE = "Stable"  # one revision serves every replica
     PROGRESSING = "Progressing"  # a canary revision runs beside the stable one and is analysed step by step
@@ -366,6 +377,9 @@ class RolloutStatus(Shared):
         None, description="the revision last rolled back; retried only by a spec change or the retry command"
     )
     message: str = Field("", description="the last analysis verdict, or why the rollout paused, rolled back or was promoted")
+    verdicts: tuple[CountedVerdict, ...] = Field(
+        (), description="the last verdicts counted on the canary, each with its window (start, end), oldest first"
+    )
 
 
 class EquivalenceState(str, Enum):

@@ -1,8 +1,8 @@
 """Running the operator under test, and the HTTP servers it talks to besides the API server.
 
-``running_operator`` runs the operator with the chart's arguments but ``--standalone`` (one
-replica; several peered replicas are run by ``operator_process``), ``kopf run --standalone
---all-namespaces -m specdecode.operator.handlers``, with kopf's ``KopfRunner``, against the
+``running_operator`` runs the operator with the chart's arguments (one replica: no Lease in its
+environment, so it leads alone), ``kopf run --standalone --all-namespaces -m
+specdecode.operator.handlers``, with kopf's ``KopfRunner``, against the
 emulated API server (kube_emulator.py): kopf logs in through a login handler in a fresh
 registry, the operator's own ``kubernetes`` client through the kubeconfig ``write_kubeconfig``
 writes (the caller points ``KUBECONFIG`` at it). ``emulated_cluster`` starts both and yields a
@@ -15,10 +15,8 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import os
 import re
 import ssl
-import subprocess
 import sys
 import threading
 import time
@@ -105,48 +103,6 @@ def running_operator(url: str, liveness_port: int) -> Iterator[KopfRunner]:
     with KopfRunner(args, registry=registry, timeout=60) as runner:
         wait_for(lambda: healthy(liveness), "the operator's liveness endpoint")
         yield runner
-
-
-class OperatorProcess:
-    """One operator replica as the chart runs it (``kopf run --all-namespaces --peering=…``) in a
-    process of its own, so that it can be killed without a word (SIGKILL), as a lost node kills it."""
-
-    def __init__(self, kubeconfig: Path, pod_id: str, peering: str, log: Path, env: dict[str, str]) -> None:
-        self.liveness_url = f"http://127.0.0.1:{free_port()}/healthz"
-        self.log_path = log
-        command = [sys.executable, "-m", "kopf", "run", "--all-namespaces", f"--peering={peering}",
-                   f"--liveness={self.liveness_url}", "--verbose", "-m", HANDLERS]
-        environment = {**os.environ, **env, "KUBECONFIG": str(kubeconfig), "POD_ID": pod_id,
-                       "SPECDECODE_METRICS_PORT": str(free_port())}
-        environment.pop("SPECDECODE_WEBHOOK_PORT", None)
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
-                                            start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: no clean exit, so its peering record stays until its lifetime runs out."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-
-@contextmanager
-def operator_processes(kubeconfig: Path, pod_ids: list[str], peering: str, logs: Path,
-                       env: dict[str, str]) -> Iterator[list[OperatorProcess]]:
-    """``OperatorProcess`` replicas until each answers its liveness endpoint; killed at the end."""
-    replicas = [OperatorProcess(kubeconfig, pod_id, peering, logs / f"{pod_id}.log", env) for pod_id in pod_ids]
-    try:
-        for replica in replicas:
-            wait_for(lambda r=replica: healthy(r.liveness_url) or r.process.poll() is not None,
-                     f"{replica.log_path.name}: the liveness endpoint", timeout=60)
-            assert replica.process.poll() is None, replica.log()
-        yield replicas
-    finally:
-        for replica in replicas:
-            replica.kill()
 
 
 # -- a cluster the tests drive ----------------------------------------------------------------------

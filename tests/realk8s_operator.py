@@ -15,7 +15,7 @@ token of the chart's ServiceAccount (TokenRequest API), so that the API server a
 ``system:serviceaccount:<namespace>:<name>`` and RBAC applies. The session's operator is the
 StatefulSet's ordinal 0; a test may start ordinal 1 beside it (its own ports: one host here, a
 network namespace per pod there), and stop, kill and start a replica again (its log grows on).
-The release's ``peering.lifetimeSeconds`` is ``PEERING_LIFETIME_SECONDS``.
+The release's ``leaderElection`` is ``LEASE`` (failover in seconds).
 
 ``permissions``, ``granted``, ``unprovable`` and ``denied`` read least privilege off the audit log: which (group,
 resource, verb) the operator's user used, which were denied, against what the ClusterRole grants.
@@ -28,6 +28,7 @@ import shutil
 import socket
 import sys
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from realk8s import ControlPlane, Process, make_ca, make_serving_cert, wait_unti
 from test_chart import CHART, NAMESPACE, render
 
 from specdecode.operator import kube, names
+from specdecode.operator.leadership import MICRO_TIME
 
 Obj = dict[str, Any]
 TOKEN_SECONDS = 4 * 3600
@@ -51,10 +53,12 @@ INSTALL_ORDER = ("Namespace", "PodDisruptionBudget", "ServiceAccount", "Secret",
                  "ClusterRoleBinding", "Role", "RoleBinding", "Service", "Deployment", "StatefulSet")
 WORKLOADS = ("Deployment", "StatefulSet")
 VENV_BIN = Path(sys.executable).parent
-# The chart's peering.lifetimeSeconds (default 60), a value a user may set: how long a replica killed
-# without a word holds the standby back. Shorter here so that a failover takes seconds, long enough
-# that a keepalive (every lifetime - 5..10 s) is not missed on a busy machine.
-PEERING_LIFETIME_SECONDS = 20
+# The chart's leaderElection (default 15 s, 10 s, 2 s), values a user may set: how long a leader killed
+# without a word holds the others back, how long one that cannot renew goes on, how often it renews.
+# Shorter here so that a failover takes seconds; the renew deadline leaves a leader on a busy
+# machine several tries.
+LEASE = {"leaseDurationSeconds": 8, "renewDeadlineSeconds": 5, "retryPeriodSeconds": 1}
+LEADING, STANDING_BY = "): leading", ": standing by"  # what leadership.Elector logs as it starts and stops leading
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ def install(client: kubernetes.client.ApiClient, objects: list[Obj], discovery_c
 
 def install_chart(plane: ControlPlane, root: Path) -> Release:
     ports = Ports.free()
-    values = {**ports.values(), "peering": {"lifetimeSeconds": PEERING_LIFETIME_SECONDS}}
+    values = {**ports.values(), "leaderElection": LEASE}
     ca = make_ca(root / "webhook-ca", "specdecode-webhook-ca")
     tls = make_serving_cert(root / "webhook-ca", ca)
     objects = webhook_by_url(render(helm.Chart.load(CHART), values), ports.webhook, ca[0].read_bytes(),
@@ -201,18 +205,17 @@ class Operator:
         """Everything it logged, across restarts."""
         return self.process.log.read_text(errors="replace")
 
-    def paused(self) -> bool:
-        """Whether kopf's peering holds its watches since its latest start: it starts paused and
-        logs each change of mind."""
+    def leading(self) -> bool:
+        """Whether it leads since its latest start, as it logs each change (it starts standing by)."""
         log = self.log()[self.run_from:]
-        return log.rfind("Pausing operations") >= log.rfind("Resuming operations")
+        return log.rfind(LEADING) > log.rfind(STANDING_BY)
 
     def stop(self) -> None:
         """SIGTERM (kopf closes its watches: the audit log shows a watch only once it ends)."""
         self.process.stop()
 
     def kill(self) -> None:
-        """SIGKILL: no clean exit, so its peering record stays until its lifetime runs out."""
+        """SIGKILL: no clean exit, so the Lease it holds stays its own until the lease duration runs out."""
         self.process.kill()
 
     def start(self) -> None:
@@ -277,8 +280,8 @@ def start_operator(plane: ControlPlane, release: Release, root: Path, ordinal: i
                    ports: Ports | None = None) -> Operator:
     """``kopf run`` with the container's command, as the chart's ServiceAccount, until its
     liveness endpoint and webhook answer. This process' environment goes along without any
-    cluster credentials of its own. ``ordinal``: which pod of the StatefulSet (its name, and so
-    its peering priority); ``ports``: its own, where another replica runs on this host (pods each
+    cluster credentials of its own. ``ordinal``: which pod of the StatefulSet (its name, the
+    Lease's holder when it leads); ``ports``: its own, where another replica runs on this host (pods each
     have a network namespace of their own; processes here share one), else the chart's."""
     ports = ports or release.ports
     container = release.container_with(ports)
@@ -294,6 +297,34 @@ def start_operator(plane: ControlPlane, release: Release, root: Path, ordinal: i
                         release, ports, plane)
     operator.wait_ready()
     return operator
+
+
+# -- the release's Lease ----------------------------------------------------------------------------
+
+
+def lease(client: kubernetes.client.ApiClient, release: Release) -> Obj:
+    """The release's Lease as stored (the API's spelling)."""
+    meta = release.only("Lease")["metadata"]
+    return client.sanitize_for_serialization(
+        kubernetes.client.CoordinationV1Api(client).read_namespaced_lease(meta["name"], meta["namespace"]))
+
+
+def hand_lease(client: kubernetes.client.ApiClient, release: Release, holder: str | None) -> None:
+    """Write the Lease as ``holder`` holding it, renewed now for an hour (None: released, as a
+    clean exit leaves it), guarded by its resourceVersion as every writer's; a write beaten by the
+    operator's renewal is made again on what it wrote."""
+    meta = release.only("Lease")["metadata"]
+    api = kubernetes.client.CoordinationV1Api(client)
+    now = datetime.now(timezone.utc).strftime(MICRO_TIME)
+    spec = {"holderIdentity": holder, "leaseDurationSeconds": 3600, "acquireTime": now, "renewTime": now}
+    while True:
+        stored = lease(client, release)
+        try:
+            api.replace_namespaced_lease(meta["name"], meta["namespace"], {**stored, "spec": spec})
+            return
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
 
 
 def _listening(port: int) -> bool:
@@ -373,6 +404,7 @@ def operator(control_plane: ControlPlane, release: Release,
     """One operator for the tier, so that the audit log shows everything it did."""
     running = start_operator(control_plane, release, tmp_path_factory.mktemp("operator"))
     try:
+        wait_until(running.leading, "the operator holding the release's Lease", [running.process])
         yield running
     finally:
         running.stop()

@@ -33,10 +33,9 @@ RELEASE, NAMESPACE = "specdecode", "specdecode-system"
 KUBERNETES_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 # The contract with the operator (issue 4): how the image is run, where admission is served.
 FULLNAME = f"{RELEASE}-operator"
-OPERATOR_COMMAND = ["kopf", "run", "--all-namespaces", f"--peering={FULLNAME}", "--liveness=http://0.0.0.0:8080/healthz",
+OPERATOR_COMMAND = ["kopf", "run", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz",
                     "-m", "specdecode.operator.handlers"]
 WEBHOOK_PATH = "/validate-specdecodedeployment"
-PEERING_CRD = "kopf.dev_clusterkopfpeerings.yaml"
 
 CUSTOM_VALUES = {
     "image": {"repository": "registry.example.com/ml/specdecode-operator", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -50,8 +49,8 @@ CERT_MANAGER_VALUES = {"webhook": {"certManager": {"enabled": True}}}
 VALUE_SETS = {"defaults": {}, "custom": CUSTOM_VALUES, "cert-manager": CERT_MANAGER_VALUES}
 # Served by other projects' CRDs; kubernetes-validate bundles no schema for them.
 FOREIGN_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Issuer"),
-                 ("cert-manager.io/v1", "Certificate"), ("kopf.dev/v1", "ClusterKopfPeering")}
-CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration", "ClusterKopfPeering"}
+                 ("cert-manager.io/v1", "Certificate")}
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"}
 
 Obj = dict[str, Any]
 
@@ -125,7 +124,7 @@ def test_every_object_passes_the_kubernetes_schema(rendered, values_name, versio
 
 def test_each_value_set_renders_its_objects(rendered):
     common = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "StatefulSet", "PodDisruptionBudget",
-              "ClusterKopfPeering"}
+              "Lease", "Role", "RoleBinding"}
     assert kinds(rendered["defaults"]) == common | {"Secret", "ValidatingWebhookConfiguration", "ConfigMap"}
     assert kinds(rendered["custom"]) == common | {"ServiceMonitor"}
     assert kinds(rendered["cert-manager"]) == common | {"Issuer", "Certificate", "ValidatingWebhookConfiguration",
@@ -160,21 +159,28 @@ def test_operator_pod_holds_the_restricted_pod_security_control(rendered, contro
         assert CONTROLS[control](only(objs, "StatefulSet")["spec"]["template"]) == [], values_name
 
 
-def test_two_replicas_peer_with_distinct_priorities_and_survive_a_drain(rendered, chart):
-    """Every replica runs the same command; kopf peering in the release's ClusterKopfPeering lets
-    one act, each taking its priority from its ordinal (POD_ID = the pod's name: <fullname>-N)."""
-    from specdecode.operator.controller import peering_priority
-
+def test_two_replicas_share_a_lease_and_survive_a_drain(rendered, chart):
+    """Every replica runs the same command and competes for the release's Lease (its name, its
+    namespace, its timing and the pod's name as holder in the environment); the Role lets the
+    operator read and replace that Lease alone."""
     objs = rendered["defaults"]
     operator, pdb = only(objs, "StatefulSet"), only(objs, "PodDisruptionBudget")
     assert operator["spec"]["replicas"] == 2 and operator["spec"]["podManagementPolicy"] == "Parallel"
-    peering = only(objs, "ClusterKopfPeering")["metadata"]["name"]
-    assert f"--peering={peering}" in operator_container(objs)["command"] and "--standalone" not in OPERATOR_COMMAND
+    lease = only(objs, "Lease")["metadata"]
     env = container_env(operator_container(objs))
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert env["SPECDECODE_PEERING_LIFETIME_SECONDS"] == "60"
-    pods = [f"{operator['metadata']['name']}-{ordinal}" for ordinal in range(operator["spec"]["replicas"])]
-    assert len({peering_priority(pod) for pod in pods} - {None}) == len(pods)
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}} and lease["namespace"] == NAMESPACE
+    assert env["SPECDECODE_LEASE_NAME"] == lease["name"] == FULLNAME
+    assert [env[f"SPECDECODE_LEASE_{key}_SECONDS"] for key in ("DURATION", "RENEW_DEADLINE", "RETRY_PERIOD")] == [
+        "15", "10", "2"]
+    role, binding = only(objs, "Role"), only(objs, "RoleBinding")
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "resourceNames": [lease["name"]], "verbs": ["get", "update"]}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and binding["subjects"][0]["name"] == (
+        only(objs, "ServiceAccount")["metadata"]["name"])
+    with pytest.raises(Exception, match="renewDeadlineSeconds"):
+        render(chart, {"leaderElection": {"leaseDurationSeconds": 10, "renewDeadlineSeconds": 10,
+                                          "retryPeriodSeconds": 2}})
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= operator["spec"]["template"]["metadata"]["labels"].items()
     spread = operator["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -323,7 +329,6 @@ EXPECTED_RULES = {
     ("", "pods"): ["list", "watch", "delete"],  # delete: a StatefulSet group restarted whole
     ("", "events"): ["create", "list"],
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
-    ("kopf.dev", "clusterkopfpeerings"): ["list", "watch", "patch"],
 }
 
 
@@ -395,13 +400,8 @@ def test_dashboard_config_map_embeds_the_dashboard_file(rendered):
 # -- CRD, values table ---------------------------------------------------------------------------
 
 
-def test_chart_installs_kopfs_peering_api_and_leaves_the_crd_to_its_own_chart(chart):
-    bundled = {Path(c["filename"]).name: yaml.safe_load(c["data"]) for c in chart.crds}
-    assert bundled.keys() == {PEERING_CRD}  # the SpecDecodeDeployment CRD: charts/specdecode-crds
-    peering = bundled[PEERING_CRD]
-    assert (peering["spec"]["group"], peering["spec"]["scope"], peering["spec"]["names"]["plural"]) == (
-        "kopf.dev", "Cluster", "clusterkopfpeerings")  # what kopf looks for with --all-namespaces
-    kubernetes_validate.validate(peering, KUBERNETES_VERSIONS[0], strict=True)
+def test_chart_installs_no_crd_the_crd_is_its_own_charts(chart):
+    assert not chart.crds  # the SpecDecodeDeployment CRD: charts/specdecode-crds; no peering API any more
 
 
 def documented_values() -> dict[str, tuple[str, str]]:

@@ -27,10 +27,9 @@ import pytest
 from operator_harness import NS, HttpStandIn, RuntimeStandIn, example, start_canary
 from realk8s import install_crds, other_project_crd
 from realk8s_cluster import RealCluster, Workloads
-from realk8s_operator import Release
+from realk8s_operator import Release, hand_lease
 
 from specdecode.operator import kube, names
-from specdecode.operator.controller import TOP_PEERING_PRIORITY
 from specdecode.operator.kube import MERGE_PATCH
 from specdecode.operator.render import render, revision
 from specdecode.operator.resolve import resolve
@@ -46,7 +45,6 @@ LWS = kube.LEADER_WORKER_SET
 KUBERNETES_CLIENT = "OpenAPI-Generator"
 OTHER_MANAGER = "kubectl-annotate"  # a user's `kubectl annotate`
 EARLIER_PEER = "specdecode-operator-earlier-version"
-PAUSED, RESUMED = "Pausing operations in favour of", "Resuming operations after the pause"
 ROLLOUT_SECONDS = 120  # a rollout's waits, on a busy 2-core machine
 DISCOVERY_MARGIN_SECONDS = 5
 
@@ -118,20 +116,17 @@ def test_quantities_the_api_server_respells_are_not_applied_again(cluster: RealC
 
 @contextmanager
 def earlier_version_active(cluster: RealCluster, release: Release) -> Iterator[None]:
-    """An earlier operator version's replica holds the peering (alive, ranked above ours), so ours
-    stands by, as during an upgrade; on leaving, its record goes (as kopf's on a clean exit)."""
-    peering = ("kopf.dev", "v1", "clusterkopfpeerings", release.only("ClusterKopfPeering")["metadata"]["name"])
-    record = {"priority": TOP_PEERING_PRIORITY + 1, "lifetime": 3600,
-              "lastseen": datetime.now(timezone.utc).isoformat()}
-    since = len(cluster.operator.log())
-    cluster.custom.patch_cluster_custom_object(*peering, {"status": {EARLIER_PEER: record}})
+    """An earlier operator version's replica holds the release's Lease (renewed for an hour), so
+    ours stands by, as during an upgrade; on leaving, it releases the Lease (as on a clean exit)
+    and ours takes over."""
+    client = cluster.apps.api_client
+    hand_lease(client, release, EARLIER_PEER)
     try:
-        cluster.until(lambda: PAUSED in cluster.operator.log()[since:], "the operator standing by")
+        cluster.until(lambda: not cluster.operator.leading(), "the operator standing by")
         yield
     finally:
-        since = len(cluster.operator.log())
-        cluster.custom.patch_cluster_custom_object(*peering, {"status": {EARLIER_PEER: None}})
-        cluster.until(lambda: RESUMED in cluster.operator.log()[since:], "the operator resuming")
+        hand_lease(client, release, None)
+        cluster.until(cluster.operator.leading, "the operator leading again")
 
 
 def write_as_earlier_version(cluster: RealCluster, name: str) -> str:

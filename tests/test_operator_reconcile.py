@@ -22,10 +22,11 @@ from specdecode.operator.controller import (
     Memory,
     OperatorConfig,
     configure,
+    LeaseConfig,
     no_webhook_server,
-    peering_priority,
     webhook_server,
 )
+from specdecode.operator.leadership import Alone, LeaseTiming
 from specdecode.operator.loop import Carried, analyse
 from specdecode.operator.kubeschema import quantity_value
 from specdecode.operator.reconcile import (
@@ -389,27 +390,21 @@ def test_config_from_the_chart_environment() -> None:
     config = OperatorConfig.from_env({"SPECDECODE_WEBHOOK_PORT": "9443", "SPECDECODE_WEBHOOK_CERT_DIR": "/certs",
                                       "SPECDECODE_METRICS_PORT": "9000", "KUBECONFIG": "/kc"})
     assert config == OperatorConfig(9443, Path("/certs"), 9000, "/kc")
-    replica = OperatorConfig.from_env({"POD_ID": "specdecode-operator-1", "SPECDECODE_PEERING_LIFETIME_SECONDS": "20"})
-    assert (replica.peering_priority, replica.peering_lifetime) == (99, 20)
+    replica = OperatorConfig.from_env({"POD_ID": "specdecode-operator-1", "POD_NAMESPACE": "ops",
+                                       "SPECDECODE_LEASE_NAME": "specdecode-operator",
+                                       "SPECDECODE_LEASE_DURATION_SECONDS": "20"})
+    assert replica.lease == LeaseConfig("specdecode-operator", "ops", "specdecode-operator-1", LeaseTiming(20, 10, 2))
+    assert config.lease is None  # no Lease: this replica leads alone
 
 
-def test_each_replica_of_the_operator_statefulset_has_a_priority_of_its_own() -> None:
-    assert [peering_priority(f"specdecode-operator-{n}") for n in range(3)] == [100, 99, 98]
-    assert peering_priority("alice@laptop/20260101/abc") is None and peering_priority(None) is None  # kopf's own
-
-
-def test_kopf_settings_ask_the_api_server_for_our_children_only_and_peer() -> None:
+def test_kopf_settings_ask_the_api_server_for_our_children_only() -> None:
     settings = kopf.OperatorSettings()
-    configure(settings, OperatorConfig(peering_priority=99, peering_lifetime=20), logging.getLogger("test"))
+    configure(settings, OperatorConfig(), Alone(), logging.getLogger("test"))
     selectors = {(s.group, s.plural or s.any_name): v for s, v in settings.watching.label_selectors.items()}
     workloads = "app.kubernetes.io/managed-by=specdecode-operator,app.kubernetes.io/component=runtime"
     assert selectors == {("apps", "deployments"): workloads, ("apps", "statefulsets"): workloads,
                          ("leaderworkerset.x-k8s.io", "leaderworkersets"): workloads,
                          ("", "pods"): "app.kubernetes.io/name=specdecode,app.kubernetes.io/component=runtime"}
-    assert (settings.peering.priority, settings.peering.lifetime) == (99, 20)
-    untouched = kopf.OperatorSettings()
-    configure(untouched, OperatorConfig(), logging.getLogger("test"))
-    assert (untouched.peering.priority, untouched.peering.lifetime) == (0, 60)  # kopf's defaults
 
 
 def test_the_webhook_server_follows_the_config() -> None:

@@ -19,8 +19,8 @@ operator renders select pods by app.kubernetes.io/name=specdecode plus instance.
 {{- end }}
 {{- end }}
 
-{{/* The ClusterKopfPeering the operator's replicas share (kopf run --peering): one per release. */}}
-{{- define "specdecode.peeringName" -}}
+{{/* The Lease the operator's replicas compete for (operator/leadership.py): one per release. */}}
+{{- define "specdecode.leaseName" -}}
 {{- include "specdecode.fullname" . }}
 {{- end }}
 
