@@ -1,8 +1,8 @@
 """Host↔device traffic of a step, counted by ``bench/step.py``'s ``counting`` (torch function and
 dispatch modes): a verify step uploads everything the verifier and sampler need once, with reads that
 do not grow with the batch; a whole decode step reads the device once, at batch 1 as at batch 32,
-and its preparation dispatches as many ops at either; an n-gram verify step's forward and
-verification read it once too (exact shapes and batch buckets), the proposer's drafts once more."""
+and its preparation dispatches as many ops at either; so does an n-gram verify step (exact shapes
+and batch buckets), its drafts for the next step read with its verdicts."""
 import pytest
 import torch
 
@@ -111,9 +111,9 @@ def verify_step(sharp_target, make_engine, batch: int, buckets: bool) -> tuple[i
 
 
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "bucketed"])
-def test_a_verify_step_reads_its_forward_and_verdicts_once_at_batch_1_as_at_32(sharp_target, make_engine, buckets):
-    """The forward and verification of an n-gram verify step read the device once (the verdicts); the
-    whole step reads it twice, the n-gram proposer's drafts being the other read."""
+def test_a_verify_step_reads_the_device_once_at_batch_1_as_at_32(sharp_target, make_engine, buckets):
+    """An n-gram verify step reads the device once in all: the verdicts, and with them the drafts of the
+    next step, made from them on the device (its own drafts came with the previous step's verdicts)."""
     launch_syncs, step_syncs, prepare_ops = verify_step(sharp_target, make_engine, 1, buckets)
-    assert (launch_syncs, step_syncs) == (1, 2)
+    assert (launch_syncs, step_syncs) == (1, 1)
     assert verify_step(sharp_target, make_engine, 32, buckets) == (launch_syncs, step_syncs, prepare_ops)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence, TokenLogprob
 from specdecode.runtime.engine.verifier import Verdict, Verifier
+
+if TYPE_CHECKING:
+    from specdecode.runtime.proposers import AheadDrafts, Proposer
 
 
 @dataclass
@@ -63,16 +67,19 @@ class Execution:
 class LocalExecution(Execution):
     scores_prompt_logprobs = True
 
-    def __init__(self, runner: ModelRunner, verifier: Verifier, overlap: bool):
+    def __init__(self, runner: ModelRunner, verifier: Verifier, overlap: bool, proposer: Proposer | None = None):
         self.runner = runner
         self.verifier = verifier
+        self.proposer = proposer  # asked for drafts ahead of each step's verdicts (``Proposer.draft_ahead``)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="specdecode-step") if overlap else None
 
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+        deciding = [item for item in scheduled if item.samples]  # the rows' items, in order
+        ahead = self.proposer.draft_ahead(deciding) if self.proposer is not None and rows else None
         if self._thread is None:
-            result = self._run(step, rows)
+            result = self._run(step, rows, ahead)
             return lambda: result
-        return self._thread.submit(self._run, step, rows).result
+        return self._thread.submit(self._run, step, rows, ahead).result
 
     def abandon(self, exc: BaseException) -> BaseException:
         """Wait for the step still running in the background: it writes the KV pools the next step reads.
@@ -82,9 +89,9 @@ class LocalExecution(Execution):
         return exc
 
     @torch.inference_mode()
-    def _run(self, step: PreparedStep, rows: list[SamplerRow]) -> StepResult:
+    def _run(self, step: PreparedStep, rows: list[SamplerRow], ahead: AheadDrafts | None) -> StepResult:
         out = self.runner.run(step)
-        verdicts = self.verifier(out.logits, rows) if rows else []
+        verdicts = self.verifier(out.logits, rows, ahead) if rows else []
         prompt_logprobs = self.runner.prompt_logprobs(step, out.hidden) if step.prompt_token_ids else []
         return StepResult(verdicts, out.hidden, prompt_logprobs)
 

@@ -152,7 +152,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         overlap = cfg.scheduler.overlap
         self.overlap = cfg.parallel.pipeline_parallel_size > 1 if overlap is None else overlap
-        self.execution = execution(self.runner) if execution else LocalExecution(self.runner, self.verifier, self.overlap)
+        local = LocalExecution(self.runner, self.verifier, self.overlap, self.proposer) if execution is None else None
+        self.execution = local or execution(self.runner)
         self.load_control = LoadController(spec.load_control, spec.max_drafts)
         self.speculative = spec
         self.events: deque[tuple[str, int]] = deque(maxlen=4096)  # (what, step number): the order of a step's phases

@@ -15,6 +15,7 @@ strategy; ``greedy`` as a strategy means ``target_match`` for them, its lossless
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from specdecode.runtime.engine.sampler import (
 from specdecode.runtime.engine.sequence import TokenLogprob
 from specdecode.runtime.engine.transfer import as_floats, upload
 
+if TYPE_CHECKING:
+    from specdecode.runtime.proposers import AheadDrafts
+
 
 @dataclass
 class Verdict:
@@ -51,7 +55,8 @@ class Verdict:
 
 class Verifier:
     """One step's verification moves its host inputs to the device in one upload (``_lists``) and
-    reads every sequence's verdict back at once; logprobs, when a request asked, are a second read."""
+    reads every sequence's verdict back at once, with the proposer's drafts for the next step where
+    it makes them from the verdicts (``AheadDrafts``); logprobs, when a request asked, are a second read."""
 
     def __init__(self, strategy: VerifyStrategy, verify_top_p: float):
         self.strategy = VerifyStrategy.TARGET_MATCH if strategy is VerifyStrategy.GREEDY else strategy
@@ -61,6 +66,7 @@ class Verifier:
         self,
         logits: torch.Tensor,  # [R, V] fp32 raw target logits, R = Σ row.num_rows in row order
         rows: list[SamplerRow],
+        ahead: AheadDrafts | None = None,  # the proposer's drafts for the next step, read with the verdicts
     ) -> list[Verdict]:
         raw = logits  # logprobs come from the raw logits
         starts = row_starts(rows)
@@ -84,7 +90,7 @@ class Verifier:
             results.append(self._verify_sampled(logits, [rows[i] for i in sampled], pad[g:], drafts[g:], num_drafts[g:], on))
         result = torch.cat(results)  # [G+S, K+1]
         out: list[list[int]] = [[] for _ in rows]
-        for i, tokens in zip(greedy + sampled, result.tolist()):
+        for i, tokens in zip(greedy + sampled, _read(result, greedy + sampled, ahead)):
             out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
         logprobs = self._logprobs(raw, rows, result, on, out)
         return [Verdict(tokens, len(tokens) - 1, lp) for tokens, lp in zip(out, logprobs)]
@@ -148,6 +154,17 @@ class Verifier:
             per_row[i] = read[at : at + len(out[i])]
             at += rows[i].num_rows
         return per_row
+
+
+def _read(result: torch.Tensor, order: list[int], ahead: AheadDrafts | None) -> list[list[int]]:
+    """The verdicts ``result [G+S, K+1]`` as rows of tokens, in one read with what ``ahead`` drafted
+    from them on the device."""
+    if ahead is None:
+        return result.tolist()
+    values = torch.cat([result.flatten(), ahead.compute(result, order)]).tolist()
+    width, split = result.shape[1], result.numel()
+    ahead.take(values[split:])
+    return [values[r : r + width] for r in range(0, split, width)]
 
 
 def _draft_prob_lists(rows: list[SamplerRow], k: int) -> dict[str, list[int]]:

@@ -25,6 +25,21 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
+class AheadDrafts:
+    """A launched step's drafts for the next step, made on the device from its verdicts before they
+    are read, and read with them (``Verifier``): what lets a step read the device once."""
+
+    def compute(self, verdicts: torch.Tensor, order: list[int]) -> torch.Tensor:
+        """verdicts [R, K+1] long: row r the verdict tokens (accepted drafts, then the recovered or
+        bonus token, placeholder-padded) of the step's deciding item ``order[r]`` → a flat long
+        tensor, read back with the verdicts and handed to ``take``."""
+        raise NotImplementedError
+
+    def take(self, values: list[int]) -> None:
+        """``compute``'s values, read."""
+        raise NotImplementedError
+
+
 class Proposer:
     """What the engine asks of a proposer; the defaults suit proposers that read only token ids."""
 
@@ -37,6 +52,12 @@ class Proposer:
         continue from the sequence followed by them; a model-based proposer draws them under the
         grammar (``drafting.choose_guided_drafts``)."""
         raise NotImplementedError
+
+    def draft_ahead(self, deciding: list[ScheduledSeq]) -> AheadDrafts | None:
+        """For a step about to be launched with these deciding items (in the step's order): the
+        next step's drafts to make from its verdicts on the device (``AheadDrafts``), or None for
+        proposers that draft when asked."""
+        return None
 
     def drafts_for(self, seq: Sequence) -> bool:
         """Whether ``seq`` may get drafts at all (the engine reserves room only for those)."""
