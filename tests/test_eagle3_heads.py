@@ -403,8 +403,8 @@ def test_aux_layer_ids_come_from_the_config_else_vllms_default(target, tmp_path)
     nested = write_original(tmp_path / "nested", spec, target, seed=1,
                             eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
     assert load_eagle3_head(nested, target).config.aux_layer_ids == (1, 2, 3)
-    top = write_speculators(tmp_path / "top", replace(spec, aux_ids=[0, 5, 7]), target, seed=1)
-    assert load_eagle3_head(top, target).config.aux_layer_ids == (0, 5, 7)
+    top = write_speculators(tmp_path / "top", replace(spec, aux_ids=[7, 0, 5]), target, seed=1)
+    assert load_eagle3_head(top, target).config.aux_layer_ids == (0, 5, 7)  # fused in layer order, as vLLM does
 
 
 def test_norm_before_residual_defaults_as_vllm_reads_each_layout(target, tmp_path):
@@ -446,6 +446,8 @@ REFUSALS = {  # id: (layout, the head, tensors dropped, config keys set (None: r
     "draft-vocab-size": ("original", HeadSpec(), (), {"draft_vocab_size": 95}, r"shape mismatch .*lm_head"),
     "aux-id-range": ("original", HeadSpec(), (), {"eagle_aux_hidden_state_layer_ids": [2, 4, 8]},
                      r"\[8\] outside the target's layers 0\.\.7"),
+    "aux-id-twice": ("original", HeadSpec(), (), {"eagle_aux_hidden_state_layer_ids": [2, 4, 4]},
+                     r"exactly 3 distinct target layers"),
     "rope-scaling": ("original", HeadSpec(), (), {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
                      r"unsupported rope_scaling"),
     "no-aux": ("original", HeadSpec(), (), {"eagle_config": {"use_aux_hidden_state": False}},

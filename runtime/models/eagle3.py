@@ -79,7 +79,8 @@ class Eagle3Config(BaseModel):
     attention_bias: bool = False
     vocab_size: int = Field(gt=0, description="V, the target's vocabulary")
     draft_vocab_size: int = Field(gt=0, description="N ≤ V rows of the head's lm_head")
-    aux_layer_ids: tuple[int, int, int] = Field(description="target layers whose input residual streams fc fuses")
+    aux_layer_ids: tuple[int, int, int] = Field(
+        description="target layers whose input residual streams fc fuses, in this order")
     norm_before_residual: bool = Field(False, description="the midlayer's residual is hidden_norm(g), not g")
     norm_output: bool = Field(False, description="chain on norm(out) instead of out (speculators' EAGLE 3.1)")
 

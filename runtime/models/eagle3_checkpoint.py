@@ -6,7 +6,8 @@
 | speculators (``speculators_model_type: eagle3``) | ``transformer_layer_config`` (the llama config of the blocks), ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual``, ``norm_output``, ``norm_before_fc``, ``fc_norm``, ``speculators_config`` | ``layers.{i}.…`` (layer 0 the midlayer), ``fc``, ``norm``, ``lm_head``, ``embed_tokens``, and ``d2t``, ``t2d`` when the draft vocabulary is reduced |
 
 What vLLM does and this loader mirrors: the aux layer ids are ``eagle_aux_hidden_state_layer_ids``
-(top level, else in ``eagle_config``), else (2, L // 2, L − 3) for a target of L layers;
+(top level, else in ``eagle_config``), else (2, L // 2, L − 3) for a target of L layers, fused in
+ascending layer order (the order vLLM's forward appends them in);
 ``norm_before_residual`` defaults to false in the original layout (read off the model config) and
 to true in speculators' (``update_eagle3`` in vLLM's speculators config); ``target_hidden_size``
 defaults to the head's own; a missing ``draft_vocab_size`` means the full vocabulary; ``d2t``
@@ -146,9 +147,9 @@ def _aux_layer_ids(hf_config: dict[str, Any], num_target_layers: int) -> tuple[i
         "eagle_aux_hidden_state_layer_ids")
     source = ("eagle_aux_hidden_state_layer_ids" if ids
               else f"vLLM's default (2, L // 2, L - 3) for L = {num_target_layers}")
-    ids = tuple(ids or default_aux_layer_ids(num_target_layers))
-    if len(ids) != 3:
-        raise ValueError(f"EAGLE-3 {source} {list(ids)}: fc fuses exactly 3 target layers")
+    ids = tuple(sorted(ids or default_aux_layer_ids(num_target_layers)))  # the order vLLM appends them in
+    if len(set(ids)) != 3:
+        raise ValueError(f"EAGLE-3 {source} {list(ids)}: fc fuses exactly 3 distinct target layers")
     outside = [i for i in ids if not 0 <= i < num_target_layers]
     if outside:
         raise ValueError(f"EAGLE-3 aux layer ids {list(ids)} ({source}): {outside} outside the target's layers "
