@@ -1,5 +1,6 @@
 """Batch buckets (runtime/engine/buckets.py): the bucket sizes; a bucketed engine gives the unpadded
-engine's greedy and seeded outputs token for token; and a 1-layer bucketed verify step's forward
+engine's greedy and seeded outputs token for token, a draft model's single-token steps bucketed too;
+and a 1-layer bucketed verify step's forward
 compiles with ``torch.compile(fullgraph=True)`` — static shapes, no host sync, no data-dependent
 Python (a graph break fails it) — to what eager computes. The CUDA capture of the same forward is
 checked in the gpu tier (tests/test_cuda.py)."""
@@ -49,6 +50,22 @@ def test_a_bucketed_engine_gives_the_unpadded_outputs(sharp, make_engine, run_al
             shapes = [bucket for bucket in padded if bucket is not None]
             assert any(b == 16 for b, _ in shapes)  # 11 sequences: 5 padding ones
             assert any(q > 1 for _, q in shapes) == (spec is not None)
+
+
+def test_a_draft_models_single_token_steps_are_bucketed_and_change_nothing(sharp_target, sharp_draft_dir,
+                                                                           make_engine, run_all):
+    model, tok = sharp_target
+    spec = {"method": "draft", "draft_model": sharp_draft_dir, "num_speculative_tokens": 3}
+    prompts = repeating_prompts(model.config.vocab_size, 5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = run_all(make_engine(model, tok, spec=spec), prompts, params)
+    engine = make_engine(model, tok, spec=spec, buckets=True)
+    draft_runner, shapes = engine.proposer.runner, []
+    run = draft_runner.run
+    draft_runner.run = lambda step: shapes.append(step.bucket) or run(step)
+    assert run_all(engine, prompts, params) == want
+    assert (8, 1) in shapes  # 5 sequences' single-token draft steps, padded to bucket 8
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
 
 
 def test_a_bucketed_verify_step_compiles_as_one_graph_to_what_eager_computes(sharp, make_engine):

@@ -262,14 +262,16 @@ def test_seeded_sampling_and_logprobs_on_cuda(sharp_dirs, make_engine, run_all):
 
 @pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.BFLOAT16])
 def test_cuda_graph_replay_equals_eager(sharp_dirs, dtype, make_engine, run_all, assert_greedy_match):
-    """``cuda_graphs``: every bucketed decode/verify step replays its shape's graph; the tokens equal
-    the eager bucketed engine's bit for bit (the same kernels on the same shapes), and the unpadded
-    engine's up to a proven near-tie; seeded sampling equal too."""
+    """``cuda_graphs``: every bucketed decode/verify step replays its shape's graph (a draft model's
+    single-token steps their own); the tokens equal the eager bucketed engine's bit for bit (the same
+    kernels on the same shapes), and the unpadded engine's up to a proven near-tie; seeded sampling
+    equal too."""
     loaded = _load(sharp_dirs[0], dtype)
     torch_dtype = next(loaded.model.parameters()).dtype
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}):
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+                 {"method": "draft", "draft_model": sharp_dirs[1], "num_speculative_tokens": 3}):
         def engine(**graphs):
             return make_engine(loaded.model, loaded.tokenizer, device=CUDA, dtype=torch_dtype, spec=spec, budget=48,
                                **graphs)
@@ -281,6 +283,8 @@ def test_cuda_graph_replay_equals_eager(sharp_dirs, dtype, make_engine, run_all,
             graphs = graphed.runner.graphs
             assert graphs.num_replays > len(graphs.captured) > 0  # graphs replayed again and again
             assert any(q > 1 for _, q in graphs.captured) == (spec is not None)
+            if spec is not None and spec["method"] == "draft":  # the draft's single-token steps: graphs of its own
+                assert graphed.proposer.runner.graphs.num_replays > 0
             if params is GREEDY:
                 for prompt, want, have in zip(prompts, run_all(engine(), prompts, params), got):
                     assert_greedy_match(loaded.model, prompt, want, have)

@@ -140,13 +140,15 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
         spec = cfg.speculative
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, channel, *self._graphs(cfg, device))
+        buckets, graph_width = self._graphs(cfg, device)
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, channel, buckets, graph_width)
         if spec.enabled and spec.verify is VerifyStrategy.TOPP:
             log.warning("verify strategy 'topp' is LOSSY: sampled outputs do not follow the target distribution")
         self.proposer = proposer or build_proposer(
             spec, device, dtype=dtype, target_vocab_size=model.config.vocab_size, tokenizer=tokenizer,
             weight_cache_dir=cfg.load.weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, target=model, target_source=cfg.load.model,
+            buckets=buckets, cuda_graphs=cfg.graphs.cuda_graphs,
         )
         self.verifier = Verifier(spec.verify, spec.verify_top_p)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)

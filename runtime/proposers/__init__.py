@@ -44,6 +44,9 @@ class Proposer:
     """What the engine asks of a proposer; the defaults suit proposers that read only token ids."""
 
     follows_guides: bool = True  # False: ``propose`` ignores guides (drafts made elsewhere, without the grammar)
+    # target layers whose entering residual streams ``observe`` reads instead of the final hidden states
+    # (ascending; an EAGLE-3 head's): the verify forward returns them, no extra pass
+    aux_layer_ids: tuple[int, ...] = ()
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         """Draft tokens to follow each sequence's tokens; at most ``max_drafts[i]`` for ``seqs[i]``.
@@ -73,7 +76,9 @@ class Proposer:
         """A step's target forward was verified and its tokens accepted: ``hidden`` [T, H] holds
         every scheduled token's hidden state before the final norm (rows in scheduled order, each
         item's ``num_tokens`` rows from position ``item.start``); positions below each sequence's
-        ``num_computed_tokens`` are now final. Proposers that draft from hidden states take them here."""
+        ``num_computed_tokens`` are now final. Proposers that draft from hidden states take them here.
+        With ``aux_layer_ids``, ``hidden`` holds instead the residual streams entering those layers,
+        side by side in that order: [T, len(aux_layer_ids) · H]."""
 
     def preempted(self, seq: Sequence) -> None:
         """``seq`` lost its KV slots (it will be recomputed from its tokens)."""
@@ -95,12 +100,15 @@ def build_proposer(
     max_num_batched_tokens: int | None = None,
     target: DecoderLM | None = None,
     target_source: str | None = None,
+    buckets: list[int] | None = None,
+    cuda_graphs: bool = False,
 ) -> Proposer | None:
     """The configured proposer; ``draft`` also needs the target's dtype, vocabulary size, tokenizer,
     weight cache, KV block size / pool size (its own pool defaults to the target's count) and
     per-step token budget (its prompt catch-ups are chunked to it); ``mtp`` the target model, what
     it was loaded from (``LoadConfig.model``: its checkpoint may carry the MTP layers) and the KV
-    block size / pool size (the heads keep K/V under the target's block tables)."""
+    block size / pool size (the heads keep K/V under the target's block tables). A draft model's
+    single-token steps use the target's batch ``buckets`` and, with ``cuda_graphs``, graphs of its own."""
     if cfg.method is SpeculativeMethod.NONE:
         if not cfg.grammar_drafts:
             return None
@@ -123,7 +131,7 @@ def build_proposer(
         return DraftProposer.load(
             cfg, device, dtype, target_vocab_size=target_vocab_size, tokenizer=tokenizer,
             weight_cache_dir=weight_cache_dir, block_size=block_size, num_blocks=num_blocks,
-            max_catch_up_tokens=max_num_batched_tokens,
+            max_catch_up_tokens=max_num_batched_tokens, buckets=buckets, cuda_graphs=cuda_graphs,
         )
     if cfg.method is SpeculativeMethod.MTP:
         from specdecode.runtime.proposers.mtp import load_mtp_proposer

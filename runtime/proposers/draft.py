@@ -17,7 +17,8 @@ Each step, for the sequences asked for drafts:
    prompt² entries) and the sequences already drafting keep their drafts meanwhile.
 2. *Draft.* K−1 single-token forwards batched over the sequences, each feeding the previous draft
    token and giving the next. The last draft token is never fed: the next catch-up feeds it if
-   it was accepted.
+   it was accepted. With batch buckets these steps are padded to the target's buckets (the
+   draft's own runner: ``engine/buckets.py``) and, with CUDA graphs, replayed from its own graphs.
 
 So a step forwards at most max(budget, (K+1)·B) + (K−1)·B tokens, never the prefix again.
 
@@ -67,13 +68,15 @@ class DraftState:
 class DraftProposer(Proposer):
     def __init__(
         self, model: DecoderLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-        max_catch_up_tokens: int,
+        max_catch_up_tokens: int, buckets: list[int] | None = None, cuda_graphs: bool = False,
     ):
         self.model = model
         self.device = device
         self.max_catch_up_tokens = max_catch_up_tokens
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        # a graph's tables reach the draft's last position (drafts never feed past it)
+        width = -(-(model.config.max_position_embeddings + 1) // block_size) if cuda_graphs else None
+        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, buckets=buckets, graph_width=width)
         self.states: dict[int, DraftState] = {}  # by seq_id
 
     @classmethod
@@ -89,6 +92,8 @@ class DraftProposer(Proposer):
         block_size: int,
         num_blocks: int,
         max_catch_up_tokens: int,
+        buckets: list[int] | None = None,
+        cuda_graphs: bool = False,
     ) -> "DraftProposer":
         """Load ``cfg.draft_model`` on the target's device in its dtype; refuse one that does not share its tokenizer."""
         load = LoadConfig(
@@ -96,7 +101,8 @@ class DraftProposer(Proposer):
         )
         loaded = load_model(load)
         check_same_tokenizer(loaded, target_vocab_size, tokenizer)
-        return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype, max_catch_up_tokens)
+        return cls(loaded.model, cfg.draft_kv_cache_blocks or num_blocks, block_size, device, dtype, max_catch_up_tokens,
+                   buckets, cuda_graphs)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
         ks, fed = self._catch_up_all(seqs, max_drafts)  # drafts this step (0: none), tokens queued to feed
