@@ -52,7 +52,7 @@ class DeviceContexts:
         index: list[int] = []
         values: list[int] = []
         for row, seq, tail in zip(rows, seqs, tails):
-            have = self.held.get(seq.seq_id, 0)
+            have = min(self.held.get(seq.seq_id, 0), len(seq))
             index += range(row * self.width + have, row * self.width + len(seq) + len(tail))
             values += seq.token_ids[have:] + tail
             self.held[seq.seq_id] = len(seq)
@@ -107,7 +107,7 @@ class NgramAhead(AheadDrafts):
         contexts.buffer.view(-1).index_copy_(0, writes, tokens.flatten())
         lengths = lengths + (tokens != PLACEHOLDER_TOKEN_ID).sum(1)  # [N]
         span = max(self.lengths) + width
-        drafts, counts = ngram_propose(contexts.buffer.index_select(0, rows)[:, :span], lengths,
+        drafts, counts = ngram_propose(contexts.buffer[:, :span].index_select(0, rows), lengths,
                                        self.proposer.min_n, self.proposer.max_n, k)
         return torch.cat([drafts.flatten(), counts, lengths])
 
@@ -169,7 +169,7 @@ class NgramProposer(Proposer):
         rows = self.contexts.hold(seqs, forced, 0)
         span = max(len(seq) + len(f) for seq, f in zip(seqs, forced))
         index, lengths = upload([rows, [len(seq) + len(f) for seq, f in zip(seqs, forced)]], self.contexts.device)
-        drafts, counts = ngram_propose(self.contexts.buffer.index_select(0, index)[:, :span], lengths,
+        drafts, counts = ngram_propose(self.contexts.buffer[:, :span].index_select(0, index), lengths,
                                        self.min_n, self.max_n, self.k)
         read = torch.cat([drafts, counts[:, None]], dim=1).tolist()  # [B, k + 1]: one read of both
         return [row[: row[-1]] for row in read]
