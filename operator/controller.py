@@ -6,10 +6,11 @@ operator's metrics. Every trigger runs it: the resource's
 create/update/resume (spec changes and command annotations), an event on one of its workloads
 (readiness) or runtime pods (a refusal to start, in their termination message), and
 the analysis daemon every ``analysis.interval`` while a canary exists (``analyze=True`` adds a
-verdict from the canary pods' ``/metrics`` or from Prometheus). Runs of one resource are
-serialised by a lock, and each starts from a fresh read, so concurrent triggers cannot apply a
-stale state; the status write carries the resourceVersion read, so neither can another writer's
-(another replica during a failover overlap): a 409 reads again and plans again.
+verdict from the canary pods' ``/metrics`` or from Prometheus). Triggers of one resource are
+coalesced (``coalescing``: one pass in flight, one more queued for whatever arrives meanwhile),
+and each pass starts from a fresh read, so concurrent triggers cannot apply a stale state; the
+status write carries the resourceVersion read, so neither can another writer (another replica
+during a failover overlap): a 409 reads again and plans again.
 
 Writes are all or nothing: every write a pass would make (deletes, scale-downs, applies) is
 dry-run first (``dryRun=All``: validation, webhooks, policy engines and quotas answer, nothing is
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -45,6 +45,7 @@ import kubernetes
 
 from specdecode.operator import kube, names
 from specdecode.operator.analysis import Verdict
+from specdecode.operator.coalescing import Coalescing, Trigger
 from specdecode.operator.failures import FAILED_CREATE, told_by_events
 from specdecode.operator.leadership import (
     Alone,
@@ -119,7 +120,8 @@ class OperatorConfig:
         webhook_port, cert_dir, metrics_port, lease_name = (value(k) for k in (
             ENV_WEBHOOK_PORT, ENV_WEBHOOK_CERT_DIR, ENV_METRICS_PORT, ENV_LEASE_NAME))
         timing = {key: float(seconds) for key, env_key in ENV_LEASE_TIMING.items() if (seconds := value(env_key))}
-        lease = LeaseConfig(lease_name, value(ENV_POD_NAMESPACE) or "default", value(ENV_POD_ID) or socket.gethostname(),
+        identity = value(ENV_POD_ID) or socket.gethostname()
+        lease = LeaseConfig(lease_name, value(ENV_POD_NAMESPACE) or "default", identity,
                             LeaseTiming(**timing)) if lease_name else None
         return cls(webhook_port=int(webhook_port) if webhook_port else None,
                    webhook_cert_dir=Path(cert_dir) if cert_dir else None,
@@ -172,17 +174,11 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, leadershi
 
 
 class Memory:
-    """A lock per resource and what one reconciliation hands the next (``loop.Carried``: the
-    canary's samples and a probe in flight; lost on restart, see analysis.py)."""
+    """What one reconciliation hands the next (``loop.Carried``: the canary's samples and a probe
+    in flight; lost on restart, see analysis.py)."""
 
     def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._carried: dict[tuple[str, str], Carried] = {}
-
-    def lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
 
     def carried(self, namespace: str, name: str) -> Carried:
         return self._carried.get((namespace, name), Carried())
@@ -194,9 +190,7 @@ class Memory:
             self._carried[namespace, name] = carried
 
     def forget(self, namespace: str, name: str) -> None:
-        with self._guard:
-            self._locks.pop((namespace, name), None)
-            self._carried.pop((namespace, name), None)
+        self._carried.pop((namespace, name), None)
 
     def forget_carried(self) -> None:
         """Drop every resource's samples and probes: another leader may have moved on meanwhile."""
@@ -211,6 +205,7 @@ class Context:
     metrics: OperatorMetrics
     leadership: Leadership = field(default_factory=Alone)
     memory: Memory = field(default_factory=Memory)
+    passes: Coalescing = field(default_factory=Coalescing)
 
     @classmethod
     def start(cls, config: OperatorConfig, logger: logging.Logger) -> Context:
@@ -233,6 +228,7 @@ class Context:
         self.metrics.stop()
 
     def forget(self, namespace: str, name: str) -> None:
+        self.passes.forget((namespace, name))
         self.memory.forget(namespace, name)
         self.metrics.forget(namespace, name)
 
@@ -268,16 +264,22 @@ def take_over(ctx: Context, diffbase: kopf.DiffBaseStorage, logger: logging.Logg
 
 def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
               old: Mapping[str, Any] | None = None, analyze: bool = False) -> bool:
-    """One pass; False when the resource is gone or going (nothing was done). A pass whose status
-    write finds the resource changed since it was read (``StatusConflict``) reads it again and
-    plans again, up to ``CONFLICT_ATTEMPTS`` times. Raises ``WritesFailed`` when the API server did
-    not take its writes (after the status says so), or the resource changed under every pass."""
-    with ctx.memory.lock(namespace, name), ctx.metrics.counting_errors(namespace, name):
+    """One pass, coalesced with the other triggers of the resource (``coalescing``); False when
+    the resource is gone or going (nothing was done). A pass whose status write finds the resource
+    changed since it was read (``StatusConflict``) reads it again and plans again, up to
+    ``CONFLICT_ATTEMPTS`` times. Raises ``WritesFailed`` when the API server did not take its
+    writes (after the status says so), or the resource changed under every pass."""
+    return ctx.passes.run((namespace, name), Trigger(old, analyze),
+                          lambda trigger: _reconcile(ctx, namespace, name, logger, trigger))
+
+
+def _reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, trigger: Trigger) -> bool:
+    with ctx.metrics.counting_errors(namespace, name):
         if not ctx.leadership.leading():  # a standby writes nothing, whatever triggered it
             return True
         for _ in range(CONFLICT_ATTEMPTS):
             try:
-                return _pass(ctx, namespace, name, logger, old=old, analyze=analyze)
+                return _pass(ctx, namespace, name, logger, old=trigger.old, analyze=trigger.analyze)
             except StatusConflict:
                 logger.info("%s/%s changed since it was read: reading it again, planning again", namespace, name)
         raise WritesFailed(f"the resource changed under {CONFLICT_ATTEMPTS} passes in a row")

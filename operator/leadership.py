@@ -159,7 +159,9 @@ class Alone:
 
 
 class Elector:
-    """Acquires and renews the Lease ``namespace/name`` as ``identity`` in a thread of its own."""
+    """Acquires and renews the Lease ``namespace/name`` as ``identity`` in a thread of its own.
+    A call to the API server that takes longer than the renew deadline is given up: by then this
+    replica would have stopped leading anyway."""
 
     def __init__(self, leases: kubernetes.client.CoordinationV1Api, namespace: str, name: str, identity: str,
                  timing: LeaseTiming, logger: logging.Logger) -> None:
@@ -205,8 +207,8 @@ class Elector:
     def _attempt(self) -> None:
         sent = time.monotonic()
         try:
-            lease = json.loads(self._leases.read_namespaced_lease(self.name, self.namespace,
-                                                                  _preload_content=False).data)
+            lease = json.loads(self._leases.read_namespaced_lease(
+                self.name, self.namespace, _preload_content=False, _request_timeout=self.timing.renew_deadline).data)
         except (kubernetes.client.ApiException, *NO_ANSWER) as exc:
             self._logger.warning("Lease %s/%s not read: %s", self.namespace, self.name, _reason(exc))
             return
@@ -229,8 +231,9 @@ class Elector:
                 "metadata": {"name": self.name, "namespace": self.namespace,
                              "resourceVersion": record.resource_version}}
         try:
-            answer = json.loads(self._leases.replace_namespaced_lease(self.name, self.namespace, body,
-                                                                      _preload_content=False).data)
+            answer = json.loads(self._leases.replace_namespaced_lease(
+                self.name, self.namespace, body, _preload_content=False,
+                _request_timeout=self.timing.renew_deadline).data)
         except (kubernetes.client.ApiException, *NO_ANSWER) as exc:
             self._logger.warning("Lease %s/%s not written: %s", self.namespace, self.name, _reason(exc))
             return False

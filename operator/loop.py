@@ -248,13 +248,14 @@ def _probe_events(before: EquivalenceStatus | None, result: equivalence.ProbeRes
 
 def _sample(targets: Sequence[tuple[str, str]], history: History, now: datetime, r: Resolved,
             logger: logging.Logger) -> History:
-    """``history`` with a sample of every target's ``/metrics``. Raises ``scrape.ScrapeError``
-    when targets exist but none could be sampled (the history with what was kept rides along)."""
+    """``history`` with a sample of every target's ``/metrics``, scraped all at once within
+    ``SCRAPE_TIMEOUT_SECONDS`` (``scrape.fetch_all``). Raises ``scrape.ScrapeError`` when targets
+    exist but none could be sampled (the history with what was kept rides along)."""
     window = timedelta(seconds=duration_seconds(r.spec.rollout.analysis.window))
     failures = []
-    for pod, url in targets:
+    for (pod, _), answer in zip(targets, scrape.fetch_all([url for _, url in targets], SCRAPE_TIMEOUT_SECONDS)):
         try:
-            snapshot = parse_metrics(scrape.fetch(url, SCRAPE_TIMEOUT_SECONDS))
+            snapshot = parse_metrics(_text(answer))
         except (scrape.ScrapeError, ValueError) as exc:  # unreachable, or not a Prometheus exposition
             logger.warning("canary pod %s not sampled: %s", pod, exc)
             failures.append(f"pod {pod}: {exc}")
@@ -263,3 +264,9 @@ def _sample(targets: Sequence[tuple[str, str]], history: History, now: datetime,
     if targets and len(failures) == len(targets):
         raise scrape.ScrapeError("no canary pod answered /metrics: " + "; ".join(failures))
     return history
+
+
+def _text(answer: str | scrape.ScrapeError) -> str:
+    if isinstance(answer, scrape.ScrapeError):
+        raise answer
+    return answer

@@ -7,7 +7,8 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 Obj = dict[str, Any]
@@ -23,6 +24,27 @@ def fetch(url: str, timeout: float) -> str:
             return response.read().decode("utf-8")
     except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts (OSErrors); a bad URL (ValueError)
         raise ScrapeError(f"{url}: {exc}") from exc
+
+
+def fetch_all(urls: Sequence[str], timeout: float) -> list[str | ScrapeError]:
+    """Each URL's body (or why not), in order, fetched all at once and within ``timeout`` of the
+    start: one that has not answered by then counts as a ScrapeError. However many pods do not
+    answer (a NetworkPolicy dropping the operator's packets, a pod trickling bytes), a round of
+    scrapes lasts at most ``timeout``; the fetches left behind end on their own socket timeout."""
+    if not urls:
+        return []
+    pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="scrape")
+    futures = [pool.submit(fetch, url, timeout) for url in urls]
+    wait(futures, timeout=timeout)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [_answer(future, url, timeout) for future, url in zip(futures, urls)]
+
+
+def _answer(future: Future[str], url: str, timeout: float) -> str | ScrapeError:
+    if not future.done():
+        return ScrapeError(f"{url}: no answer within {timeout:g}s")
+    error = future.exception()
+    return error if isinstance(error, ScrapeError) else future.result()
 
 
 def post_json(url: str, body: Obj, timeout: float) -> Obj:

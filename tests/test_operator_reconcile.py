@@ -447,7 +447,6 @@ def test_memory_keeps_the_samples_until_forgotten_and_a_new_canary_starts_afresh
     first = History("b").record("pod", NOW, MetricSnapshot(drafts=1), keep=timedelta(minutes=1))
     memory.keep("llm", "demo", Carried(history=first))
     assert memory.carried("llm", "demo").history is first
-    assert memory.lock("llm", "demo") is memory.lock("llm", "demo")
     r = resolved()
     status = SpecDecodeDeploymentStatus(stable_revision="a", canary_revision="c")
     no_pods = SimpleNamespace(serving_endpoints=lambda *_: [])
