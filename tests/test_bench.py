@@ -175,7 +175,7 @@ def test_bench_step_plumbing_and_paired_ratios(tiny_hf_model_dir, tmp_path, caps
     checkouts = [step.Checkout(step.BASELINE, "python", tmp_path), step.Checkout(step.THIS, "python", tmp_path)]
     rounds = {step.BASELINE: [worker(200.0, 4e8), worker(400.0, 4e8)],
               step.THIS: [worker(100.0, 0.0), worker(330.0, 0.0)]}
-    args = argparse.Namespace(model="m", steps=2, rounds=2, threads=1, load_format="dummy")
+    args = argparse.Namespace(model="m", steps=2, rounds=2, threads=1, load_format="dummy", graphs="off")
     report = step.build_report(args, checkouts, [step.Case(1, 64, 0)], rounds)
     assert step.format_table(report).startswith("bench-step: m (dummy weights) on CPU")
     assert report["cases"][0]["ratio_ms_per_step"] == pytest.approx((0.5 + 0.825) / 2)  # not 215 / 300
