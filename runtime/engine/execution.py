@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 @dataclass
 class StepResult:
     verdicts: list[Verdict]  # one per deciding item of the step, in order
-    hidden: torch.Tensor | None  # [T, hidden] pre-norm, for the proposer; None where the proposer runs elsewhere
+    # what the proposer observes (``Proposer.observe``): [T, hidden] pre-norm, or the aux states [T, A·hidden]
+    # of a proposer with ``aux_layer_ids``; None where the proposer runs elsewhere
+    hidden: torch.Tensor | None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt row of the step, in order
 
 
@@ -71,6 +73,8 @@ class LocalExecution(Execution):
         self.runner = runner
         self.verifier = verifier
         self.proposer = proposer  # asked for drafts ahead of each step's verdicts (``Proposer.draft_ahead``)
+        if proposer is not None:  # the forward also returns what the proposer drafts from
+            runner.aux_layers = proposer.aux_layer_ids
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="specdecode-step") if overlap else None
 
     def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
@@ -93,7 +97,8 @@ class LocalExecution(Execution):
         out = self.runner.run(step)
         verdicts = self.verifier(out.logits, rows, ahead) if rows else []
         prompt_logprobs = self.runner.prompt_logprobs(step, out.hidden) if step.prompt_token_ids else []
-        return StepResult(verdicts, out.hidden, prompt_logprobs)
+        observed = out.aux if self.runner.aux_layers else out.hidden
+        return StepResult(verdicts, observed, prompt_logprobs)
 
     def close(self) -> None:
         if self._thread is not None:

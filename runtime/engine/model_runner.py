@@ -1,5 +1,6 @@
 """Owns the KV pools and runs one target forward per step over every scheduled token: the logits
-of the rows that decide tokens, and every row's hidden state (what an MTP head drafts from).
+of the rows that decide tokens, every row's hidden state (what an MTP head drafts from) and, for
+the layers in ``aux_layers``, the residual streams entering them (what an EAGLE-3 head drafts from).
 
 All host→device traffic of the forward's inputs happens in ``prepare``: the flat token batch,
 the rows to sample, positions, slot mapping and the attention metadata (block tables, sequence
@@ -74,8 +75,11 @@ class ModelRunner:
                          for _ in range(model.num_local_layers)]
         self.num_forwards = 0
         self.buckets = buckets
-        self.graphs = None if graph_width is None else CudaGraphs(lambda ids, batch: model(ids, self.kv_pools, batch),
-                                                                  graph_width)
+        # target layers whose entering residual streams each step returns (``StepOutput.aux``): the
+        # proposer's ``aux_layer_ids``, set where the two are wired together (``LocalExecution``)
+        self.aux_layers: tuple[int, ...] = ()
+        self.graphs = None if graph_width is None else CudaGraphs(self._forward, graph_width)  # captured lazily:
+        # with the aux layers wired by then
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
@@ -84,15 +88,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepOutput:
-        """The forward of a prepared step (with the other tensor-parallel ranks, through the channel)."""
+        """The forward of a prepared step (with the other tensor-parallel ranks, through the channel).
+        A bucketed step's padding rows are dropped: its real rows are its sample rows (``buckets.py``)."""
         if self.graphs is not None and step.bucket is not None and self.graphs.fits(step.batch):
             self.num_forwards += 1
-            hidden = self.graphs.run(step.input_ids, step.batch, step.bucket)
+            hidden, aux = self.graphs.run(step.input_ids, step.batch, step.bucket)
         elif self.channel is None:
-            hidden = self.forward(step.input_ids, step.batch)
-        else:
-            hidden = self.channel.run_step(step.input_ids, step.batch, self.forward)
-        return StepOutput(self.model.compute_logits(hidden[step.sample_rows]), hidden)
+            hidden, aux = self.forward_aux(step.input_ids, step.batch)
+        else:  # rank 0's own forward returns its aux states with its hidden states
+            hidden, aux = self.channel.run_step(step.input_ids, step.batch, self.forward_aux)
+        if step.bucket is not None:
+            hidden, aux = hidden[step.sample_rows], aux[step.sample_rows]
+            return StepOutput(self.model.compute_logits(hidden), hidden, aux)
+        return StepOutput(self.model.compute_logits(hidden[step.sample_rows]), hidden, aux)
 
     def prompt_logprobs(self, step: PreparedStep, hidden: torch.Tensor) -> list[TokenLogprob]:
         """The logprobs of the prompt tokens ``step``'s prompt rows predict, in row order.
@@ -109,8 +117,20 @@ class ModelRunner:
     def forward(self, inputs: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """inputs: token ids [T] long (first stage) or the previous stage's hidden [T, hidden] →
         hidden states [T, hidden] (pre-norm), K/V written into the pools."""
+        return self.forward_aux(inputs, batch)[0]
+
+    def forward_aux(self, inputs: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` → (hidden [T, hidden], aux [T, len(aux_layers)·hidden]) in one pass."""
         self.num_forwards += 1
-        return self.model(inputs, self.kv_pools, batch)
+        return self._forward(inputs, batch)
+
+    def _forward(self, inputs: torch.Tensor, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without aux layers through the module's own call, as every target forward was before (its
+        hooks see it); aux [T, 0] then."""
+        if not self.aux_layers:
+            hidden = self.model(inputs, self.kv_pools, batch)
+            return hidden, hidden.new_empty(hidden.shape[0], 0)
+        return self.model.forward_aux(inputs, self.kv_pools, batch, self.aux_layers)
 
     def prepare(self, scheduled: list[ScheduledSeq], pad: bool = True) -> PreparedStep:
         """The step's inputs on the device; a decode/verify step padded to its batch bucket where the
@@ -182,6 +202,7 @@ class PreparedStep:
 class StepOutput:
     logits: torch.Tensor  # [R, vocab] fp32: the deciding rows, R = Σ (num_draft + 1) over sampling items
     hidden: torch.Tensor  # [T, hidden]: every scheduled token's hidden state before the final norm
+    aux: torch.Tensor  # [T, A·hidden]: the residual streams entering the runner's A ``aux_layers`` (A = 0: none)
 
 
 @dataclass

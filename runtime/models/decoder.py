@@ -171,10 +171,25 @@ class DecoderLM(nn.Module):
         kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # per local layer (K pool, V pool)
         batch: AttentionBatch,
     ) -> torch.Tensor:  # [T, hidden] after this stage's layers (on the last stage: before the final norm)
+        return self.forward_aux(inputs, kv_pools, batch, ())[0]
+
+    def forward_aux(
+        self,
+        inputs: torch.Tensor,  # as ``forward``'s
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: AttentionBatch,
+        aux_layers: tuple[int, ...],  # global layer ids of this stage, ascending
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [T, hidden] as ``forward``'s, aux [T, len(aux_layers)·hidden]
+        """``forward``, and the residual streams entering the layers ``aux_layers`` (id 0: the
+        embedding's output, id i: layer i − 1's output, before any norm) side by side: what an
+        EAGLE-3 head fuses, taken from this same pass (an empty [T, 0] without ids)."""
         x = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
-        for layer, kv_pool in zip(self.model.layers, kv_pools):
+        entering = []
+        for i, layer, kv_pool in zip(self.stage.layers(self.config.num_layers), self.model.layers, kv_pools):
+            if i in aux_layers:
+                entering.append(x)
             x = layer(x, self.rope, kv_pool, batch)
-        return x
+        return x, torch.cat(entering, dim=-1) if entering else x.new_empty(x.shape[0], 0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] pre-norm → [N, vocab] fp32
         return linear(self.model.norm(hidden), self.lm_head_weight).float()
