@@ -29,6 +29,7 @@ class SpeculativeMethod(str, Enum):
     SUFFIX = "suffix"
     DRAFT = "draft"
     MTP = "mtp"
+    EAGLE3 = "eagle3"
 
 
 class VerifyStrategy(str, Enum):
@@ -49,8 +50,12 @@ KNOWN_GATES = frozenset({MTP_PIPELINE_GATE})
 
 
 def mtp_pipeline_gate_refusal(method: str, pipeline_parallel_size: int, gates: Iterable[str]) -> str | None:
-    """The one rule for MTP under pipeline parallelism (the runtime, ``specdecode validate`` and the
-    admission webhook all say this): experimental, so it needs the gate. None = allowed."""
+    """The one rule for heads on the target's hidden states under pipeline parallelism (the runtime,
+    ``specdecode validate`` and the admission webhook all say this): MTP is experimental, so it needs
+    the gate; EAGLE-3 is not there yet (its aux states come from layers on several stages). None = allowed."""
+    if method == SpeculativeMethod.EAGLE3.value and pipeline_parallel_size > 1:
+        return (f"method 'eagle3' does not run with pipeline parallelism yet (size {pipeline_parallel_size}): its head "
+                "fuses hidden states of layers on several stages; use one pipeline stage")
     if method == SpeculativeMethod.MTP.value and pipeline_parallel_size > 1 and MTP_PIPELINE_GATE not in set(gates):
         return (f"method 'mtp' with pipeline parallelism (size {pipeline_parallel_size}) is experimental: add the gate "
                 f"'{MTP_PIPELINE_GATE}' to the speculative config's gates (spec.gates of a SpecDecodeDeployment) or "
@@ -112,6 +117,10 @@ class SpeculativeConfig(Shared):
         None, description="mtp: folder of MTP head(s) written by `specdecode train-mtp` (safetensors + config); in a "
         "SpecDecodeDeployment a pvc://, file:// or hf:// URI of it; unset = the MTP layers of the target's own checkpoint"
     )
+    eagle3_path: str | None = Field(
+        None, description="eagle3: folder of an EAGLE-3 head (the original release's layout or speculators' format: "
+        "config.json + weights), a path inside the runtime's container (the operator does not mount it yet)"
+    )
     draft_vocab_size: int | None = Field(
         None, ge=0, description="mtp: draft only among the N tokens most frequent in the head's training data "
         "(EAGLE-3 style; a draft outside them is never proposed); 0 = the full vocabulary; unset = the head's default"
@@ -154,6 +163,11 @@ class SpeculativeConfig(Shared):
             raise ValueError(f"draft_model and draft_kv_cache_blocks are only used by method 'draft', not {self.method.value!r}")
         if (self.mtp_path or self.draft_vocab_size is not None) and self.method is not SpeculativeMethod.MTP:
             raise ValueError(f"mtp_path and draft_vocab_size are only used by method 'mtp', not {self.method.value!r}")
+        if self.method is SpeculativeMethod.EAGLE3 and not self.eagle3_path:
+            raise ValueError("method 'eagle3' needs eagle3_path (the folder of an EAGLE-3 head: config.json and its "
+                             "weights, in the original release's layout or speculators' format)")
+        if self.eagle3_path and self.method is not SpeculativeMethod.EAGLE3:
+            raise ValueError(f"eagle3_path is only used by method 'eagle3', not {self.method.value!r}")
         unknown = sorted(set(self.gates) - KNOWN_GATES)
         if unknown:
             raise ValueError(f"unknown gates {unknown}; known: {sorted(KNOWN_GATES)}")
@@ -329,6 +343,9 @@ class EngineConfig(Frozen):
                                             self.speculative.gates)
         if refusal:
             raise ValueError(refusal)
+        if self.speculative.method is SpeculativeMethod.EAGLE3 and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"method 'eagle3' does not run with tensor parallelism yet (size "
+                             f"{self.parallel.tensor_parallel_size}): use one rank, or method 'mtp'")
         return self
 
     @model_validator(mode="after")

@@ -107,7 +107,8 @@ def build_proposer(
     weight cache, KV block size / pool size (its own pool defaults to the target's count) and
     per-step token budget (its prompt catch-ups are chunked to it); ``mtp`` the target model, what
     it was loaded from (``LoadConfig.model``: its checkpoint may carry the MTP layers) and the KV
-    block size / pool size (the heads keep K/V under the target's block tables). A draft model's
+    block size / pool size (the heads keep K/V under the target's block tables); ``eagle3`` the
+    target model and the KV block size / pool size. A draft model's
     single-token steps use the target's batch ``buckets`` and, with ``cuda_graphs``, graphs of its own."""
     if cfg.method is SpeculativeMethod.NONE:
         if not cfg.grammar_drafts:
@@ -139,4 +140,10 @@ def build_proposer(
         if target is None or target_source is None or num_blocks is None:
             raise ValueError("method 'mtp' needs the target model, where it was loaded from and its KV pool size")
         return load_mtp_proposer(cfg, target, target_source, block_size=block_size, num_blocks=num_blocks)
+    if cfg.method is SpeculativeMethod.EAGLE3:
+        from specdecode.runtime.proposers.eagle3 import load_eagle3_proposer
+
+        if target is None or num_blocks is None:
+            raise ValueError("method 'eagle3' needs the target model and its KV pool size")
+        return load_eagle3_proposer(cfg, target, block_size=block_size, num_blocks=num_blocks)
     raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")
