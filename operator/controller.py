@@ -94,6 +94,7 @@ ENV_LEASE_TIMING = {"duration": "SPECDECODE_LEASE_DURATION_SECONDS",
                     "renew_deadline": "SPECDECODE_LEASE_RENEW_DEADLINE_SECONDS",
                     "retry_period": "SPECDECODE_LEASE_RETRY_PERIOD_SECONDS"}
 DEFAULT_METRICS_PORT = 8081
+EventPoster = Callable[[Mapping[str, Any], Sequence[Event]], None]  # (the resource, its Events)
 CONFLICT_ATTEMPTS = 5  # passes of one reconciliation whose status write another writer beat
 RETRY_FIRST_SECONDS, RETRY_MAX_SECONDS = 5.0, 300.0  # backoff after writes the API server did not take
 # What the operator watches besides its resource, asked of the API server by label (kopf's
@@ -243,7 +244,8 @@ def analysis_interval(body: Mapping[str, Any]) -> float:
 def take_over(ctx: Context, diffbase: kopf.DiffBaseStorage, logger: logging.Logger) -> None:
     """Reconcile every resource once, as this replica starts leading: kopf does not fire again a
     change it saw while this replica stood by (nor one the last leader had not finished). The old
-    spec is the one kopf last handled (its diff-base), as the change handlers would have it."""
+    spec is the one kopf last handled (its diff-base), as the change handlers would have it. This
+    runs in the elector's thread, outside kopf's context, so its Events go straight to the API."""
     ctx.memory.forget_carried()
     try:
         listed = kubernetes.client.CustomObjectsApi(ctx.cluster.api).list_cluster_custom_object(
@@ -254,7 +256,8 @@ def take_over(ctx: Context, diffbase: kopf.DiffBaseStorage, logger: logging.Logg
     for body in listed["items"]:
         meta = body["metadata"]
         try:
-            reconcile(ctx, meta["namespace"], meta["name"], logger, old=diffbase.fetch(body=kopf.Body(body)))
+            reconcile(ctx, meta["namespace"], meta["name"], logger, old=diffbase.fetch(body=kopf.Body(body)),
+                      post=events_through_api(ctx.cluster))
         except WritesFailed as exc:  # in status already; the change handlers retry
             logger.warning("takeover of %s/%s: %s", meta["namespace"], meta["name"], exc)
 
@@ -263,30 +266,33 @@ def take_over(ctx: Context, diffbase: kopf.DiffBaseStorage, logger: logging.Logg
 
 
 def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
-              old: Mapping[str, Any] | None = None, analyze: bool = False) -> bool:
+              old: Mapping[str, Any] | None = None, analyze: bool = False,
+              post: EventPoster = kube.post_events) -> bool:
     """One pass, coalesced with the other triggers of the resource (``coalescing``); False when
     the resource is gone or going (nothing was done). A pass whose status write finds the resource
     changed since it was read (``StatusConflict``) reads it again and plans again, up to
     ``CONFLICT_ATTEMPTS`` times. Raises ``WritesFailed`` when the API server did not take its
-    writes (after the status says so), or the resource changed under every pass."""
+    writes (after the status says so), or the resource changed under every pass. ``post``: how
+    its Events are posted (kopf's, from a handler's context)."""
     return ctx.passes.run((namespace, name), Trigger(old, analyze),
-                          lambda trigger: _reconcile(ctx, namespace, name, logger, trigger))
+                          lambda trigger: _reconcile(ctx, namespace, name, logger, trigger, post))
 
 
-def _reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, trigger: Trigger) -> bool:
+def _reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger, trigger: Trigger,
+               post: EventPoster) -> bool:
     with ctx.metrics.counting_errors(namespace, name):
         if not ctx.leadership.leading():  # a standby writes nothing, whatever triggered it
             return True
         for _ in range(CONFLICT_ATTEMPTS):
             try:
-                return _pass(ctx, namespace, name, logger, old=trigger.old, analyze=trigger.analyze)
+                return _pass(ctx, namespace, name, logger, trigger, post)
             except StatusConflict:
                 logger.info("%s/%s changed since it was read: reading it again, planning again", namespace, name)
         raise WritesFailed(f"the resource changed under {CONFLICT_ATTEMPTS} passes in a row")
 
 
-def _pass(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
-          old: Mapping[str, Any] | None, analyze: bool) -> bool:
+def _pass(ctx: Context, namespace: str, name: str, logger: logging.Logger, trigger: Trigger,
+          post: EventPoster) -> bool:
     body = ctx.cluster.get(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
@@ -294,12 +300,28 @@ def _pass(ctx: Context, namespace: str, name: str, logger: logging.Logger, *,
     status = read_status(body)
     # the old spec counts for the immutable fields only if it was ever served
     served = status.stable_revision is not None and not is_not_ready(status, INVALID_SPEC)
-    resolution = resolve(body, old if served else None)
+    resolution = resolve(body, trigger.old if served else None)
     if resolution.resolved is None:
-        _refuse(ctx, body, status, resolution.message, now)
+        _refuse(ctx, body, status, resolution.message, now, post)
     else:
-        _converge(ctx, body, resolution.resolved, status, now, logger, analyze=analyze)
+        _converge(ctx, body, resolution.resolved, status, now, logger, post, analyze=trigger.analyze)
     return True
+
+
+def events_through_api(cluster: kube.Cluster) -> EventPoster:
+    """Posting a resource's Events with a create each, where kopf's poster cannot be reached (it
+    needs the context kopf gives its handlers)."""
+    def post(owner: Mapping[str, Any], events: Sequence[Event]) -> None:
+        meta, core = owner["metadata"], kubernetes.client.CoreV1Api(cluster.api)
+        involved = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"],
+                    "namespace": meta["namespace"], "uid": meta["uid"]}
+        for event in events:
+            now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            core.create_namespaced_event(meta["namespace"], {
+                "metadata": {"generateName": f"{meta['name']}."}, "involvedObject": involved,
+                "type": event.type.value, "reason": event.reason, "message": event.message,
+                "source": {"component": names.MANAGER}, "firstTimestamp": now, "lastTimestamp": now, "count": 1})
+    return post
 
 
 class StatusConflict(Exception):
@@ -325,20 +347,20 @@ def write_status(cluster: kube.Cluster, body: Mapping[str, Any], status: Obj) ->
 
 
 def _refuse(ctx: Context, body: Mapping[str, Any], status: SpecDecodeDeploymentStatus, message: str,
-            now: datetime) -> None:
+            now: datetime, post: EventPoster) -> None:
     """An invalid spec (admission bypassed): say why in status, leave what runs alone, no retry."""
     meta = body["metadata"]
     if is_not_ready(status, INVALID_SPEC, message) and status.observed_generation == meta.get("generation"):
         return
     new = not_ready(status, INVALID_SPEC, message, now).model_copy(update={"observed_generation": meta.get("generation")})
     write_status(ctx.cluster, body, status_patch(new))
-    kube.post_events(body, [Event(EventType.WARNING, "InvalidSpec", message)])
+    post(body, [Event(EventType.WARNING, "InvalidSpec", message)])
 
 
 def _converge(ctx: Context, body: Mapping[str, Any], r: Resolved, status: SpecDecodeDeploymentStatus,
-              now: datetime, logger: logging.Logger, *, analyze: bool) -> None:
+              now: datetime, logger: logging.Logger, post: EventPoster, *, analyze: bool) -> None:
     meta = body["metadata"]
-    done = converge(KubeBackend(ctx.cluster, body, logger), r, status, annotations=meta.get("annotations"),
+    done = converge(KubeBackend(ctx.cluster, body, logger, post), r, status, annotations=meta.get("annotations"),
                     generation=meta.get("generation"), now=now, carried=ctx.memory.carried(r.namespace, r.name),
                     logger=logger, analyze=analyze)
     ctx.memory.keep(r.namespace, r.name, done.carried)
@@ -374,6 +396,7 @@ class KubeBackend:
     cluster: kube.Cluster
     body: Mapping[str, Any]
     logger: logging.Logger
+    post: EventPoster = kube.post_events
 
     def observe(self, r: Resolved, status: SpecDecodeDeploymentStatus) -> KubeObserved:
         cluster, meta = self.cluster, self.body["metadata"]
@@ -425,7 +448,7 @@ class KubeBackend:
         write_status(self.cluster, self.body, status_patch(status))
 
     def post_events(self, r: Resolved, events: Sequence[Event]) -> None:
-        kube.post_events(self.body, events)
+        self.post(self.body, events)
 
     def remove_annotations(self, r: Resolved, keys: Sequence[str]) -> None:
         self.cluster.remove_annotations(r.namespace, r.name, keys)

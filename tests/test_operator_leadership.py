@@ -195,14 +195,13 @@ class SecondWriter(kube.Cluster):
 
 
 def test_a_status_write_beaten_by_a_second_writer_reads_again_and_plans_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The first pass planned from a status another writer changed before its write: the write
     carries the resourceVersion read, the server refuses it (409), and the second pass plans from
     the other writer's status, which the result keeps (no update lost)."""
     server = ApiServer()
     server.install_crd(build_crd())
     events: list[Any] = []
-    monkeypatch.setattr(kube, "post_events", lambda owner, posted: events.extend(posted))
     with serve(server) as url:
         kubeconfig = write_kubeconfig(url, tmp_path / "kubeconfig")
         with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
@@ -212,12 +211,40 @@ def test_a_status_write_beaten_by_a_second_writer_reads_again_and_plans_again(
             cluster = SecondWriter(str(kubeconfig), client)
             ctx = controller.Context(cluster, OperatorMetrics())
             with caplog.at_level(logging.INFO):
-                assert controller.reconcile(ctx, NS, "conflict", logging.getLogger("test"))
+                assert controller.reconcile(ctx, NS, "conflict", logging.getLogger("test"),
+                                            post=lambda owner, posted: events.extend(posted))
             status = custom.get_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL,
                                                          "conflict")["status"]
     assert cluster.reads == 2 and "changed since it was read" in caplog.text
     assert status["acceptance"]["revision"] == "other-writer"  # the other writer's update, kept
     assert status["observedGeneration"] == 1 and status["stableRevision"]  # and the operator's pass
+
+
+def test_a_new_leader_takes_every_resource_over_from_its_own_thread(tmp_path: Path) -> None:
+    """The takeover reconciles what kopf will not fire again (here a spec admission let by with a
+    GPU count the layout cannot hold), from the elector's thread, outside kopf's context: the
+    status says why and the Event reaches the API server all the same."""
+    server = ApiServer()
+    server.install_crd(build_crd())
+    with serve(server) as url:
+        kubeconfig = write_kubeconfig(url, tmp_path / "kubeconfig")
+        with kubernetes.config.new_client_from_config(str(kubeconfig)) as client:
+            client.user_agent = TEST_CLIENT
+            body = example("taken-over")
+            body["spec"]["resources"] = {"gpusPerPod": 2}  # more than parallelism.tensor (1)
+            kubernetes.client.CustomObjectsApi(client).create_namespaced_custom_object(
+                names.GROUP, names.VERSION, NS, names.PLURAL, body)
+            ctx = controller.Context(kube.Cluster(str(kubeconfig)), OperatorMetrics())
+            taking_over = threading.Thread(target=controller.take_over, args=(
+                ctx, kopf.AnnotationsDiffBaseStorage(prefix=controller.KOPF_PREFIX), logging.getLogger("test")))
+            taking_over.start()
+            taking_over.join()
+            status = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
+                names.GROUP, names.VERSION, NS, names.PLURAL, "taken-over")["status"]
+            events = kubernetes.client.CoreV1Api(client).list_namespaced_event(NS).items
+    (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert [(e.type, e.reason, e.involved_object.name) for e in events] == [("Warning", "InvalidSpec", "taken-over")]
 
 
 # -- a verdict counted once ---------------------------------------------------------------------------
