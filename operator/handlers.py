@@ -31,10 +31,11 @@ import kopf
 from specdecode.operator import controller, names
 from specdecode.operator.reconcile import APPLY_FAILED, CHILD_REFUSED, INVALID_SPEC, ROUTE_REFUSED
 from specdecode.operator.resolve import admit
+from specdecode.operator.settings import RUNTIME_POD_LABELS, WORKLOAD_LABELS, OperatorConfig, configure
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 WEBHOOK_ID = "validate-specdecodedeployment"
-WORKLOADS, RUNTIME_PODS = controller.WORKLOAD_LABELS, controller.RUNTIME_POD_LABELS  # the API server filters too
+WORKLOADS, RUNTIME_PODS = WORKLOAD_LABELS, RUNTIME_POD_LABELS  # the API server filters too
 STOP_CHECK_SECONDS = 1.0  # how often the analysis daemon looks at its stop flag while it waits
 RESYNC_SECONDS = 10.0  # how often a resource waiting on its workloads is reconciled without an event
 NOT_WAITING = frozenset({INVALID_SPEC, CHILD_REFUSED, APPLY_FAILED, ROUTE_REFUSED})  # Ready=False reasons resync skips
@@ -42,9 +43,9 @@ NOT_WAITING = frozenset({INVALID_SPEC, CHILD_REFUSED, APPLY_FAILED, ROUTE_REFUSE
 
 @kopf.on.startup()
 def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    config = controller.OperatorConfig.from_env(os.environ)
+    config = OperatorConfig.from_env(os.environ)
     memo.ctx = controller.Context.start(config, logger)
-    controller.configure(settings, config, memo.ctx.leadership, logger)
+    configure(settings, config, memo.ctx.leadership, logger)
     memo.ctx.lead(settings.persistence.diffbase_storage, logger)
 
 

@@ -34,7 +34,7 @@ from operator_harness import (
 )
 
 from specdecode.operator import controller, names
-from specdecode.operator.controller import RUNTIME_POD_LABELS, WORKLOAD_LABELS
+from specdecode.operator.settings import RUNTIME_POD_LABELS, WORKLOAD_LABELS
 from specdecode.operator.kube import MERGE_PATCH
 from specdecode.operator.render import render, revision
 from specdecode.operator.resolve import resolve

@@ -23,6 +23,7 @@ from operator_harness import NS, TEST_CLIENT, example, wait_for, write_kubeconfi
 from specdecode.operator import controller, kube, names
 from specdecode.operator.analysis import Measurement, MetricSnapshot, Result, Verdict, already_counted, counting
 from specdecode.operator.crd import build_crd
+from specdecode.operator.settings import KOPF_PREFIX
 from specdecode.operator.leadership import (
     Elector,
     LeaderDiffBaseStorage,
@@ -236,7 +237,7 @@ def test_a_new_leader_takes_every_resource_over_from_its_own_thread(tmp_path: Pa
                 names.GROUP, names.VERSION, NS, names.PLURAL, body)
             ctx = controller.Context(kube.Cluster(str(kubeconfig)), OperatorMetrics())
             taking_over = threading.Thread(target=controller.take_over, args=(
-                ctx, kopf.AnnotationsDiffBaseStorage(prefix=controller.KOPF_PREFIX), logging.getLogger("test")))
+                ctx, kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX), logging.getLogger("test")))
             taking_over.start()
             taking_over.join()
             status = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(

@@ -22,7 +22,7 @@ from realk8s_cluster import RealCluster, Workloads
 from realk8s_operator import Release
 
 from specdecode.operator import names
-from specdecode.operator.controller import KOPF_PREFIX
+from specdecode.operator.settings import KOPF_PREFIX
 from specdecode.operator.resolve import resolve
 
 pytestmark = [pytest.mark.realk8s, pytest.mark.timeout(180, func_only=True)]

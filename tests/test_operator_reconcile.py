@@ -18,14 +18,8 @@ from prometheus_client import generate_latest
 
 from specdecode.operator import kube, metrics, names
 from specdecode.operator.analysis import History, MetricSnapshot
-from specdecode.operator.controller import (
-    Memory,
-    OperatorConfig,
-    configure,
-    LeaseConfig,
-    no_webhook_server,
-    webhook_server,
-)
+from specdecode.operator.controller import Memory
+from specdecode.operator.settings import LeaseConfig, OperatorConfig, configure, no_webhook_server, webhook_server
 from specdecode.operator.leadership import Alone, LeaseTiming
 from specdecode.operator.loop import Carried, analyse
 from specdecode.operator.kubeschema import quantity_value
