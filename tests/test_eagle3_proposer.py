@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 
 from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeConfig, mtp_pipeline_gate_refusal
 from specdecode.runtime.engine.grammar import StructuredKind, StructuredOutput
+from specdecode.runtime.engine.model_runner import Span, build_attention_batch
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import SamplingParams, Sequence
 from specdecode.runtime.models.attention import kv_pool
-from specdecode.runtime.engine.model_runner import Span, build_attention_batch
 from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.models.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.runtime.models.model_config import ModelConfig
