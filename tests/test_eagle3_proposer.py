@@ -267,6 +267,9 @@ def test_drafts_after_rejections_equal_drafts_recomputed_from_scratch(head, targ
     accepted, drafted = acceptance(engine)
     assert checked and all(checked), checked
     assert accepted < drafted and (accepted > 0) == (head == "echo"), (accepted, drafted)
+    if head == "echo":  # some verify steps accepted drafts and rejected the next: proposals followed them
+        per_position = engine.stats().spec_decode_num_accepted_tokens_per_pos
+        assert per_position[0] > per_position[-1], per_position
 
 
 def from_scratch(proposer: Eagle3Proposer, model: DecoderLM, seq: Sequence, k: int) -> list[int]:
