@@ -44,7 +44,7 @@ K/V; slots past the accepted ones are never read again before they are rewritten
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from specdecode.runtime.models.attention import AttentionBatch, kv_pool
@@ -80,9 +80,17 @@ class Eagle3Config(BaseModel):
     vocab_size: int = Field(gt=0, description="V, the target's vocabulary")
     draft_vocab_size: int = Field(gt=0, description="N ≤ V rows of the head's lm_head")
     aux_layer_ids: tuple[int, int, int] = Field(
-        description="target layers whose input residual streams fc fuses, in this order")
+        description="target layers whose input residual streams fc fuses, ascending: the order the target's "
+        "forward returns them in (``DecoderLM.forward_aux``)")
     norm_before_residual: bool = Field(False, description="the midlayer's residual is hidden_norm(g), not g")
     norm_output: bool = Field(False, description="chain on norm(out) instead of out (speculators' EAGLE 3.1)")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ascending(cls, ids: tuple[int, int, int]) -> tuple[int, int, int]:
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"aux_layer_ids {list(ids)} must be distinct and ascending (the order fc fuses them in)")
+        return ids
 
     def block_config(self) -> ModelConfig:
         """The llama block shapes of the head's decoder blocks."""
