@@ -1,233 +1,53 @@
 """MTP proposer: the target's own hidden states, from the same forward that verifies, feed MTP heads.
 
-No extra target pass: after each step the engine hands the forward's hidden states to
-``observe``, which runs every head module over the slots that became final in that step (prompt
-chunks included, so a new sequence drafts as soon as its prompt is in). The head's K/V lives in
-its own pools under the target's block tables (slots and formulas in ``models/mtp.py``), so it
-is prefix-cached, rolled back by position and recomputed after preemption with the target's.
-
-Per sequence the proposer keeps a *state*: ``count``, the slots final in every module, and
-``carry``, the input hidden states in_ℓ(count) of the next slot. The input of the first slot
-after a full block is also kept per block (``block_carry``), so a sequence admitted on a cached
-prefix starts from it.
-
-``propose`` for a sequence of n tokens: every module runs slot n − 1 (x_{n-1} is known; the
-target's hidden h_{n-2} is the carry), module 0's output drafts token 1, then draft j + 1 comes
-from module j mod L at slot n − 1 + j. Per decoding sequence and step the head runs 1 + (K − 1)
-rows there and, in ``observe``, one row per accepted draft (the chained slots are recomputed from
-the target's hidden states once verified): at most 2K rows.
-
-Draft choice (``choose_guided_drafts``): argmax for greedy requests, sampled from the head's
-distribution under the request's temperature / top-k / top-p otherwise, with those exact
-distributions returned for rejection sampling; a constrained sequence's forced tokens are taken as
-chain tokens and the rest drawn under its grammar (drafting.py). With a *reduced draft vocabulary* (the N tokens most frequent in
-the head's training data, EAGLE-3 style) the logits are computed over those N rows of the LM
-head only; a token outside them is never drafted and q is zero there, so q stays exact.
+The state, drafting and following the target are ``proposers/heads.py``'s (shared with EAGLE-3
+heads); here: module 0 drafts from the target's hidden state as the head's ``HiddenTap`` takes it,
+every module over the target's embedding, and drafts come from the target's LM head. With a
+*reduced draft vocabulary* (the N tokens most frequent in the head's training data, EAGLE-3 style)
+the logits are computed over those N rows of the LM head only; a token outside them is never
+drafted and q is zero there, so q stays exact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdecode.runtime.config import SpeculativeConfig
-
-from specdecode.runtime.engine.model_runner import Span, build_attention_batch
-from specdecode.runtime.engine.scheduler import ScheduledSeq
-from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.models.attention import AttentionBatch, kv_pool
 from specdecode.runtime.models.decoder import DecoderLM
-from specdecode.runtime.models.attention import kv_pool
-from specdecode.runtime.models.linear import linear
 from specdecode.runtime.models.hf_loader import is_hf_folder
+from specdecode.runtime.models.linear import linear
 from specdecode.runtime.models.loader import served_name
-from specdecode.runtime.models.mtp import MtpHead, MtpModule
+from specdecode.runtime.models.mtp import MtpHead
 from specdecode.runtime.models.mtp_checkpoint import LOOKED_FOR, load_mtp_head
-from specdecode.runtime.proposers import Proposal, Proposer
-from specdecode.runtime.proposers.drafting import Guides, choose_guided_drafts, draft_probs
+from specdecode.runtime.proposers.heads import HeadProposer
 
+class MtpProposer(HeadProposer):
+    """MTP heads drafting from the target's hidden states (``HiddenTap``), over the target's embedding
+    and LM head (or N of its rows)."""
 
-@dataclass
-class _State:
-    count: int  # slots < count are final in every module's pool
-    carry: torch.Tensor  # [L, H]: in_ℓ(count) per module
-    carry_ready: bool = True  # False right after drafting: in_0(count) = tap(h_{count-1}) comes with the step's forward
-
-
-@dataclass
-class _CatchUp:
-    """Slots [start, end) of one sequence to run through every module as final slots."""
-
-    seq: Sequence
-    state: _State
-    start: int
-    end: int
-    tap_rows: list[int]  # rows of the tapped target hidden states: tap(h_{q-1}) for q in (start, end)
-    next_tap_row: int | None  # the row of tap(h_{end-1}) = in_0(end); None while drafting (not computed yet)
-
-
-class MtpProposer(Proposer):
     def __init__(
         self, head: MtpHead, target: DecoderLM, num_blocks: int, block_size: int, draft_vocab_size: int | None
     ):
         c = target.config
-        weight = target.model.embed_tokens.weight
-        self.head, self.target = head, target
-        self.block_size = block_size
-        self.device, self.dtype = weight.device, weight.dtype
-        self.null_block = num_blocks
+        vocab_ids, self.lm_weight = _draft_vocabulary(head, target, draft_vocab_size)
+        super().__init__(target, len(head.layers), c.hidden_size, num_blocks, block_size, vocab_ids)
+        self.head = head
         self.kv_pools = [[kv_pool(num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
                           for _ in module.blocks] for module in head.layers]
-        num_modules = len(head.layers)
-        self.block_carry = torch.zeros(num_blocks, num_modules, c.hidden_size, dtype=self.dtype, device=self.device)
-        self.states: dict[int, _State] = {}
-        self.vocab_ids, self.lm_weight = _draft_vocabulary(head, target, draft_vocab_size)
 
-    # -- drafting ---------------------------------------------------------------------------------
+    def _source(self, observed: torch.Tensor) -> torch.Tensor:  # the target's hidden [T, H] → tap [T, H]
+        return self.head.tap(self.target, observed)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], max_drafts: list[int], guides: Guides | None = None) -> Proposal:
-        # draft j is written at slot n − 1 + j: no further than the block table reaches (the scheduler
-        # reserves that; a pipeline's last stage drafts a step ahead, into the slots rank 0 could spare)
-        max_drafts = [min(k, len(s.block_table) * self.block_size - len(s) + 1) for s, k in zip(seqs, max_drafts)]
-        rows = [i for i, s in enumerate(seqs) if self._can_draft(s) and max_drafts[i] > 0]
-        drafts = [guides.forced(i)[:k] if guides is not None and i not in rows else [] for i, k in enumerate(max_drafts)]
-        if not rows:
-            return Proposal(drafts)
-        want_probs = any(not seqs[i].params.greedy for i in rows)
-        q_rows: dict[tuple[int, int], torch.Tensor] = {}
-        jobs = [_CatchUp(seqs[i], self.states[seqs[i].seq_id], len(seqs[i]) - 1, len(seqs[i]), [], None) for i in rows]
-        out = self._run(jobs, self.block_carry.new_empty(0, self.block_carry.shape[2]))[0]  # [B, H]: module 0, slot n − 1
-        for j in range(max(max_drafts[i] for i in rows)):
-            if j > 0:
-                alive = [r for r, i in enumerate(rows) if max_drafts[i] > j]
-                if not alive:
-                    break
-                rows = [rows[r] for r in alive]
-                out = self._chain(j, [seqs[i] for i in rows], out[alive], [drafts[i][-1] for i in rows])
-            tokens, q = self._draft(self.head.layers[j % len(self.head.layers)], out, seqs, rows, j, want_probs, guides)
-            for r, (i, token) in enumerate(zip(rows, tokens)):
-                if token is None:
-                    max_drafts[i] = j
-                    continue
-                drafts[i].append(token)
-                if q is not None:
-                    q_rows[i, j] = q[r]
-        vocab = self.target.config.vocab_size
-        return Proposal(drafts, draft_probs(drafts, q_rows, vocab, self.device) if want_probs else None)
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(token_ids)
 
-    def _can_draft(self, seq: Sequence) -> bool:
-        state = self.states.get(seq.seq_id)
-        return state is not None and state.carry_ready and state.count == seq.num_computed_tokens == len(seq) - 1
+    def _module(self, m: int, inputs: torch.Tensor, embeds: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        return self.head.layers[m](inputs, embeds, self.target.rope, self.kv_pools[m], batch)
 
-    def _chain(self, j: int, seqs: list[Sequence], prev: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        """Draft step j ≥ 1: module m = j mod L at slot n − 1 + j, fed the previous step's output
-        prev [B, H] and draft j; it does not see chain slots where another module ran."""
-        num_modules = len(self.head.layers)
-        m = j % num_modules
-        others = [i for i in range(1, j) if i % num_modules != m]
-        spans = [Span(s.block_table, len(s) - 1 + j, 1, tuple(len(s) - 1 + i for i in others)) for s in seqs]
-        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
-        embeds = self.target.model.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=self.device))
-        return self.head.layers[m](prev, embeds, self.target.rope, self.kv_pools[m], batch)  # [B, H]
-
-    def _draft(
-        self, module: MtpModule, out: torch.Tensor, seqs: list[Sequence], rows: list[int], j: int, want_probs: bool,
-        guides: Guides | None,
-    ) -> tuple[list[int | None], torch.Tensor | None]:  # out: [B, H] → draft j of each row, q [B, V] or None
-        logits = linear(module.final_norm(out), self.lm_weight).float()  # [B, N]
-        return choose_guided_drafts(logits, seqs, rows, j, want_probs, guides, self.target.config.vocab_size,
-                                    self.vocab_ids)
-
-    # -- following the target ---------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
-        tapped = self.head.tap(self.target, hidden)  # [T, H]
-        jobs: list[_CatchUp] = []
-        first = 0  # the item's first row in ``hidden``: its position ``start``
-        for item in scheduled:
-            seq, start, row = item.seq, item.start, first
-            first += item.num_tokens
-            if seq.is_finished:
-                continue
-            state = self.states.get(seq.seq_id)
-            if state is None or not start <= state.count <= start + 1:
-                state = self._fresh_state(seq, start)
-            if not state.carry_ready:  # it drafted this step: slot ``start`` is final, h_{start} is row 0
-                state.carry[0] = tapped[row]
-                state.carry_ready = True
-                self._keep_block_carry(seq, state.count, state.carry)
-            end = seq.num_computed_tokens
-            if state.count < end:
-                tap_rows = [row + q - 1 - start for q in range(state.count + 1, end)]
-                jobs.append(_CatchUp(seq, state, state.count, end, tap_rows, row + end - 1 - start))
-        if jobs:
-            self._run(jobs, tapped)
-
-    def _fresh_state(self, seq: Sequence, start: int) -> _State:
-        """A sequence new to the proposer (or back from preemption) starting at ``start``: 0, or the
-        end of a cached prefix, whose first slot's inputs were kept with the prefix's last block."""
-        if start % self.block_size:
-            raise RuntimeError(f"sequence {seq.seq_id} starts at {start}, not at the end of a cached block")
-        if start == 0:
-            carry = self.block_carry.new_zeros(self.block_carry.shape[1:])
-        else:
-            carry = self.block_carry[seq.block_table[start // self.block_size - 1]].clone()
-        state = _State(start, carry)
-        self.states[seq.seq_id] = state
-        return state
-
-    def _run(self, jobs: list[_CatchUp], tapped: torch.Tensor) -> list[torch.Tensor]:
-        """Run every job's slots through every module (final K/V), advance its state to ``end``, and
-        return each module's output at each job's last slot: L tensors [len(jobs), H].
-
-        Module 0's input at slot q is the carry at q = start, else tapped[tap_rows]; module m ≥ 1's is
-        the carry at q = start, else module m − 1's output at q − 1."""
-        spans = [Span(job.seq.block_table, job.start, job.end - job.start) for job in jobs]
-        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
-        tokens = [t for job in jobs for t in job.seq.token_ids[job.start : job.end]]
-        embeds = self.target.model.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [T', H]
-        carries = torch.stack([job.state.carry for job in jobs])  # [J, L, H]
-        firsts = [0]
-        for job in jobs:
-            firsts.append(firsts[-1] + job.end - job.start)
-        lasts = torch.tensor([f - 1 for f in firsts[1:]], dtype=torch.long, device=self.device)
-        to = dict(dtype=torch.long, device=self.device)
-        tap_index = torch.tensor([i for n, job in enumerate(jobs) for i in [len(tapped) + n, *job.tap_rows]], **to)
-        shift_index = torch.tensor([i for n, job in enumerate(jobs)
-                                    for i in [len(tokens) + n, *range(firsts[n], firsts[n + 1] - 1)]], **to)
-        inputs, outs = [], []
-        for m, module in enumerate(self.head.layers):
-            source = torch.cat([tapped, carries[:, 0]]) if m == 0 else torch.cat([outs[-1], carries[:, m]])
-            inputs.append(source.index_select(0, tap_index if m == 0 else shift_index))  # [T', H] in_m
-            outs.append(module(inputs[-1], embeds, self.target.rope, self.kv_pools[m], batch))  # [T', H] out_m
-        ends = [out.index_select(0, lasts) for out in outs]  # [J, H] per module
-        inputs_by_slot = torch.stack(inputs, dim=1)  # [T', L, H]
-        for n, job in enumerate(jobs):
-            first_boundary = (job.start // self.block_size + 1) * self.block_size
-            for q in range(first_boundary, job.end, self.block_size):  # full blocks inside the job's slots
-                self._keep_block_carry(job.seq, q, inputs_by_slot[firsts[n] + q - job.start])
-            state = job.state
-            state.count = job.end
-            state.carry = torch.stack([state.carry[0], *(e[n] for e in ends[:-1])])  # in_m(end) = out_{m-1}(end − 1)
-            if job.next_tap_row is None:
-                state.carry_ready = False
-            else:
-                state.carry[0] = tapped[job.next_tap_row]
-                self._keep_block_carry(job.seq, job.end, state.carry)
-        return ends
-
-    def _keep_block_carry(self, seq: Sequence, slot: int, inputs: torch.Tensor) -> None:
-        """``inputs`` [L, H] = in_ℓ(slot); kept with the block that ends right before ``slot``."""
-        if slot > 0 and slot % self.block_size == 0:
-            self.block_carry[seq.block_table[slot // self.block_size - 1]] = inputs
-
-    def preempted(self, seq: Sequence) -> None:
-        self.states.pop(seq.seq_id, None)
-
-    def finished(self, seq: Sequence) -> None:
-        self.states.pop(seq.seq_id, None)
+    def _draft_logits(self, m: int, out: torch.Tensor) -> torch.Tensor:
+        return linear(self.head.layers[m].final_norm(out), self.lm_weight).float()
 
 
 def _draft_vocabulary(head: MtpHead, target: DecoderLM, size: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
