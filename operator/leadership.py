@@ -241,8 +241,8 @@ class Elector:
         return True
 
 
-class LeaderProgressStorage(kopf.AnnotationsProgressStorage):
-    """kopf's handler progress in annotations, written only while ``leadership`` leads."""
+class _WrittenWhileLeading:
+    """A kopf storage mixin: its writes happen only while ``leadership`` leads (reads always do)."""
 
     def __init__(self, leadership: Leadership, **options: Any) -> None:
         super().__init__(**options)
@@ -251,6 +251,10 @@ class LeaderProgressStorage(kopf.AnnotationsProgressStorage):
     def store(self, **kwargs: Any) -> None:
         if self.leadership.leading():
             super().store(**kwargs)
+
+
+class LeaderProgressStorage(_WrittenWhileLeading, kopf.AnnotationsProgressStorage):
+    """kopf's handler progress in annotations, written only while ``leadership`` leads."""
 
     def purge(self, **kwargs: Any) -> None:
         if self.leadership.leading():
@@ -261,17 +265,9 @@ class LeaderProgressStorage(kopf.AnnotationsProgressStorage):
             super().touch(**kwargs)
 
 
-class LeaderDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+class LeaderDiffBaseStorage(_WrittenWhileLeading, kopf.AnnotationsDiffBaseStorage):
     """kopf's last handled spec in an annotation, written only while ``leadership`` leads: a
     standby, whose change handlers are filtered out, must not store a change as handled."""
-
-    def __init__(self, leadership: Leadership, **options: Any) -> None:
-        super().__init__(**options)
-        self.leadership = leadership
-
-    def store(self, **kwargs: Any) -> None:
-        if self.leadership.leading():
-            super().store(**kwargs)
 
 
 def _reason(exc: Exception) -> str:
