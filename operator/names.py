@@ -51,6 +51,7 @@ ANNOTATION_GROUP_MEMBERS = f"{GROUP}/group-members"
 CONTAINER = "runtime"
 FETCH_CONTAINER = "fetch-model"
 FETCH_MTP_CONTAINER = "fetch-mtp"
+FETCH_EAGLE3_CONTAINER = "fetch-eagle3"
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"
 RENDEZVOUS_PORT = 29500
@@ -61,6 +62,8 @@ MODEL_VOLUME = "model"
 MODEL_MOUNT = "/mnt/models"
 MTP_VOLUME = "mtp"  # speculative.mtpPath
 MTP_MOUNT = "/mnt/mtp"
+EAGLE3_VOLUME = "eagle3"  # speculative.eagle3Path
+EAGLE3_MOUNT = "/mnt/eagle3"
 
 # -- env read by `specdecode serve` in a multi-pod group (torchrun's names) ----------------------
 ENV_MASTER_ADDR = "MASTER_ADDR"

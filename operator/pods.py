@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdecode.operator import names
+from specdecode.operator.sources import SOURCES
 
 Obj = dict[str, Any]
 # Containers whose non-zero exit is a refusal to serve: the runtime, and the fetch of an hf:// source.
-_OURS = (names.CONTAINER, names.FETCH_CONTAINER, names.FETCH_MTP_CONTAINER)
+_OURS = (names.CONTAINER, *(source.fetch_container for source in SOURCES))
 MAX_REFUSAL_CHARS = 400  # of the termination message (or any other message), in a condition message
 _STARTING = frozenset({"ContainerCreating", "PodInitializing"})  # a container waiting on its way up
 # A pod in a terminal phase (evicted, its node shut down) no longer runs: its controller has replaced it.

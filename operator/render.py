@@ -30,12 +30,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from specdecode.operator import names
 from specdecode.operator.resolve import Resolved
 from specdecode.operator.security import container_security_context, pod_security_context
+from specdecode.operator.sources import MODEL, Source, brought_in, heads, local_path
 from specdecode.operator.spec import ModelLocation, ModelScheme
 from specdecode.runtime.config import ServerConfig
 
@@ -77,33 +77,6 @@ PRE_STOP_SCRIPT = (
 # -- the pod template ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Source:
-    """How a pvc://, file:// or hf:// source (the model, the MTP heads) comes into the pod: a claim
-    is mounted, an hf:// repository fetched by an init container into a volume, a file:// path is
-    used as it is."""
-
-    volume: str
-    mount: str
-    fetch_container: str
-
-
-MODEL = Source(names.MODEL_VOLUME, names.MODEL_MOUNT, names.FETCH_CONTAINER)
-MTP_HEADS = Source(names.MTP_VOLUME, names.MTP_MOUNT, names.FETCH_MTP_CONTAINER)
-
-
-def local_path(location: ModelLocation, source: Source) -> str:
-    """Where ``location`` is inside the pod."""
-    if location.scheme in (ModelScheme.PVC, ModelScheme.HF):
-        return f"{source.mount}/{location.path}"
-    return location.path  # an absolute path (file://) or a packaged alias
-
-
-def _mtp_heads(r: Resolved) -> ModelLocation | None:
-    mtp = r.spec.speculative.mtp_path
-    return ModelLocation.parse(mtp) if mtp else None
-
-
 def model_path(r: Resolved) -> str:
     """What ``--model`` receives inside the pod."""
     return local_path(r.spec.model.location, MODEL)
@@ -111,11 +84,12 @@ def model_path(r: Resolved) -> str:
 
 def speculative_json(r: Resolved) -> str:
     """``--speculative-config``: snake_case (the runtime's spelling), only what differs from its
-    defaults, so a field added to the runtime later does not change every revision; ``mtp_path``
-    is the heads' path inside the pod."""
-    heads = _mtp_heads(r)
-    speculative = r.spec.speculative.model_copy(
-        update={"mtp_path": local_path(heads, MTP_HEADS) if heads else None})
+    defaults, so a field added to the runtime later does not change every revision; the heads'
+    field (``mtp_path``, ``eagle3_path``) is their path inside the pod."""
+    speculative, head = r.spec.speculative, heads(r.spec.speculative)
+    if head:
+        location, source = head
+        speculative = speculative.model_copy(update={source.config_field: local_path(location, source)})
     return json.dumps(speculative.model_dump(mode="json", exclude_defaults=True), separators=(",", ":"))
 
 
@@ -201,10 +175,8 @@ def _source_volume(r: Resolved, location: ModelLocation, source: Source) -> tupl
 
 
 def _source_volumes(r: Resolved) -> tuple[list[Obj], list[Obj], list[Obj]]:
-    """(volumes, runtime mounts, init containers) of the model and, if given, the MTP heads."""
-    heads = _mtp_heads(r)
-    sources = [(r.spec.model.location, MODEL), *([(heads, MTP_HEADS)] if heads else [])]
-    parts = [_source_volume(r, location, source) for location, source in sources]
+    """(volumes, runtime mounts, init containers) of the model and, if given, the heads."""
+    parts = [_source_volume(r, location, source) for location, source in brought_in(r.spec)]
     volumes, mounts, init = ([obj for part in parts for obj in part[i]] for i in range(3))
     return volumes, mounts, init
 

@@ -13,8 +13,11 @@ to change it to. Decisions:
   Admission cannot look inside a model, so an ``mtp`` spec without ``mtpPath`` is allowed with a
   warning; a model without MTP layers is refused by the runtime at start, which the status shows
   (``Degraded``, reason ``RuntimeRefused``).
-- Pipeline parallelism (``parallelism.pipeline`` > 1) is admitted. With ``mtp`` it is experimental
-  and needs the ``mtp-pipeline-parallel`` gate: the refusal is the runtime's own sentence
+- ``eagle3`` drafts with the head at ``speculative.eagle3Path``, given the same three ways; the
+  runtime's config refuses the method without it, and so does admission. Both head fields come
+  into the pod as ``sources.py`` says.
+- Pipeline parallelism (``parallelism.pipeline`` > 1) is admitted. With ``mtp`` or ``eagle3`` it is
+  experimental and needs the ``mtp-pipeline-parallel`` gate: the refusal is the runtime's own sentence
   (``mtp_pipeline_gate_refusal`` in the shared config, the rule ``EngineConfig`` applies), read
   from the spec as written so that it is reported beside any schema error; with the gate,
   admission warns with the runtime's ``MTP_PIPELINE_WARNING``.
@@ -40,15 +43,16 @@ from pydantic import ValidationError
 from specdecode.operator import names
 from specdecode.operator.kubeschema import UNKNOWN_FIELD, SchemaViolations
 from specdecode.operator.resources import memory_limit_warnings, with_defaults
+from specdecode.operator.sources import HEAD_SOURCES, SOURCES, brought_in
 from specdecode.operator.spec import (
     SOURCE_URI_PATTERN,
     IntOrString,
-    ModelLocation,
     ModelScheme,
     SpecDecodeDeploymentSpec,
     in_crd_spelling,
 )
 from specdecode.runtime.config import (
+    HEAD_METHODS,
     MTP_PIPELINE_GATE,
     MTP_PIPELINE_WARNING,
     SpeculativeMethod,
@@ -339,10 +343,8 @@ OPERATOR_ENV = {
     names.ENV_NODE_RANK: "this pod's index in the parallel group",
     names.ENV_LWS_LEADER_ADDRESS: "LeaderWorkerSet's leader address",
 }
-OPERATOR_VOLUMES = {names.SHM_VOLUME: names.SHM_MOUNT, names.MODEL_VOLUME: "the model (spec.model.uri)",
-                    names.MTP_VOLUME: "the MTP heads (spec.speculative.mtpPath)"}
-OPERATOR_MOUNTS = {names.SHM_MOUNT: names.SHM_VOLUME, names.MODEL_MOUNT: names.MODEL_VOLUME,
-                   names.MTP_MOUNT: names.MTP_VOLUME}
+OPERATOR_VOLUMES = {names.SHM_VOLUME: names.SHM_MOUNT, **{source.volume: source.described for source in SOURCES}}
+OPERATOR_MOUNTS = {names.SHM_MOUNT: names.SHM_VOLUME, **{source.mount: source.volume for source in SOURCES}}
 
 
 def _pod_collision_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
@@ -412,19 +414,26 @@ def _source_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
     if location.scheme is ModelScheme.ALIAS and location.path.lower() not in ALIASES:
         errors.append(f"spec.model.uri: '{location.path}' is not a packaged model; use one of "
                       f"{sorted(ALIASES)} or a pvc://, file:// or hf:// address")
-    mtp_path = spec.speculative.mtp_path
-    if mtp_path is not None and not _SOURCE_URI.match(mtp_path):
-        errors.append("spec.speculative.mtpPath: must be pvc://claim/path, file:///path or hf://org/name (the "
-                      "folder `specdecode train-mtp` wrote, brought into the pod as spec.model.uri is); leave it "
-                      "unset to draft with the MTP layers of the model's own checkpoint")
-    downloads = {location.scheme, *([ModelLocation.parse(mtp_path).scheme] if mtp_path else [])}
-    if spec.model.cache_claim and ModelScheme.HF not in downloads:
-        errors.append("spec.model.cacheClaim: only hf:// sources (model.uri, speculative.mtpPath) are downloaded; "
-                      "remove it")
+    errors += _head_uri_errors(spec)
+    if spec.model.cache_claim and all(location.scheme is not ModelScheme.HF for location, _ in brought_in(spec)):
+        downloaded = ", ".join(source.field.removeprefix("spec.") for source in SOURCES)
+        errors.append(f"spec.model.cacheClaim: only hf:// sources ({downloaded}) are downloaded; remove it")
     draft = spec.speculative.draft_model
     if draft and "://" in draft:
         errors.append("spec.speculative.draftModel: takes a packaged alias or a path inside the pod (mount it with "
                       "spec.pod.volumes and spec.pod.volumeMounts), not an address")
+    return errors
+
+
+def _head_uri_errors(spec: SpecDecodeDeploymentSpec) -> list[str]:
+    """Head sources written as something other than the three forms a pod can be given."""
+    errors = []
+    for source in HEAD_SOURCES:
+        uri = source.uri(spec.speculative)
+        if uri is not None and not _SOURCE_URI.match(uri):
+            unset = f"; leave it unset to {source.when_unset}" if source.when_unset else ""
+            errors.append(f"{source.field}: must be pvc://claim/path, file:///path or hf://org/name ({source.folder}, "
+                          f"brought into the pod as spec.model.uri is){unset}")
     return errors
 
 
@@ -475,7 +484,7 @@ def _warnings(spec: SpecDecodeDeploymentSpec, name: str) -> Iterable[str]:
         yield (f"spec.pod.labels[{key}]: every runtime pod gets this label set to {owned[key]} (the operator finds "
                f"and ranks its pods by it), so '{spec.pod.labels[key]}' is replaced; use another key")
     speculative = spec.speculative
-    if (speculative.method is SpeculativeMethod.MTP and spec.parallelism.pipeline > 1
+    if (speculative.method in HEAD_METHODS and spec.parallelism.pipeline > 1
             and MTP_PIPELINE_GATE in {*spec.gates, *speculative.gates}):
         yield f"spec.parallelism.pipeline: {MTP_PIPELINE_WARNING}"
     if speculative.method is SpeculativeMethod.MTP and speculative.mtp_path is None:

@@ -43,7 +43,7 @@ Gate = Literal[tuple(sorted(KNOWN_GATES))]  # type: ignore[valid-type] - the enu
 
 # -- model source -------------------------------------------------------------------------------
 
-# pvc://claim/path, file:///path or hf://org/name: the model, and the MTP heads (speculative.mtpPath)
+# pvc://claim/path, file:///path or hf://org/name: the model and the heads (sources.py)
 _SOURCE_URI = r"pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|file:///.+|hf://[^/\s]+/[^/\s]+"
 SOURCE_URI_PATTERN = f"^({_SOURCE_URI})$"
 MODEL_URI_PATTERN = f"^({_SOURCE_URI}|[A-Za-z0-9][A-Za-z0-9._-]*)$"  # or the alias of a packaged model
@@ -58,8 +58,9 @@ class ModelScheme(str, Enum):
 
 @dataclass(frozen=True)
 class ModelLocation:
-    """A parsed ``model.uri`` or ``speculative.mtpPath``: ``claim`` is set for pvc://, ``path`` is
-    the claim-relative path (pvc), absolute path (file), repository id (hf) or alias name."""
+    """A parsed ``model.uri`` or head source (``speculative.mtpPath``, ``eagle3Path``): ``claim`` is
+    set for pvc://, ``path`` is the claim-relative path (pvc), absolute path (file), repository id
+    (hf) or alias name."""
 
     scheme: ModelScheme
     path: str
@@ -85,8 +86,8 @@ class ModelSource(Shared):
     )
     served_name: str | None = Field(None, description="the model name clients send; default: this resource's name")
     cache_claim: str | None = Field(
-        None, description="hf:// (this uri, speculative.mtpPath): a PersistentVolumeClaim caching downloads across "
-        "pods; default: an emptyDir per pod"
+        None, description="hf:// (this uri, speculative.mtpPath, speculative.eagle3Path): a PersistentVolumeClaim "
+        "caching downloads across pods; default: an emptyDir per pod"
     )
 
     @property

@@ -119,7 +119,7 @@ class SpeculativeConfig(Shared):
     )
     eagle3_path: str | None = Field(
         None, description="eagle3: folder of an EAGLE-3 head (the original release's layout or speculators' format: "
-        "config.json + weights), a path inside the runtime's container (the operator does not mount it yet)"
+        "config.json + weights); in a SpecDecodeDeployment a pvc://, file:// or hf:// URI of it"
     )
     draft_vocab_size: int | None = Field(
         None, ge=0, description="mtp: draft only among the N tokens most frequent in the head's training data "

@@ -61,6 +61,9 @@ def test_a_failed_fetch_counts_and_the_first_pod_by_name_is_named() -> None:
     pods = [runtime_pod("demo-rev1-b", crash_looping(REFUSED)), runtime_pod("demo-rev1-a", waiting, init=(fetch,))]
     assert runtime_refusal(pods) == ("pod demo-rev1-a (revision rev1): fetch-mtp exited with code 1: "
                                      "huggingface_hub.errors.RepositoryNotFoundError: 404 org/heads (and 1 more pods)")
+    for source in ("fetch-model", "fetch-eagle3"):  # every hf:// source's fetch, each its own container
+        pod = runtime_pod("p", waiting, init=(crash_looping("404", name=source),))
+        assert runtime_refusal([pod]) == f"pod p (revision rev1): {source} exited with code 1: 404"
 
 
 # -- not_ready_reason ---------------------------------------------------------------------------

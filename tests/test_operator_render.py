@@ -104,6 +104,8 @@ LAYOUTS = {
     "cpu": dict(resources={"gpusPerPod": 0}, model={"uri": "file:///models/smollm2"}),
     "mtp-hf": dict(model={"uri": "hf://Qwen/Qwen2.5-7B", "cacheClaim": "hf-cache"},
                    speculative={"method": "mtp", "mtpPath": "hf://org/qwen-mtp", "numSpeculativeTokens": 2}),
+    "eagle3-hf": dict(model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+                      speculative={"method": "eagle3", "eagle3Path": "hf://org/llama-eagle3", "numSpeculativeTokens": 3}),
 }
 
 
@@ -232,51 +234,61 @@ def test_model_sources():
     assert arg(local, "--model") == "/opt/models/smol.gguf"
 
 
-def mtp_pod(model: str, heads: str, **model_fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pod spec, runtime container) of an mtp spec with ``heads`` as mtpPath."""
-    r = resolved(model={"uri": model, **model_fields}, speculative={"method": "mtp", "mtpPath": heads})
-    template = render(r)[0]["spec"]["template"]
-    return template["spec"], runtime(render(r)[0])
+# Each head field as the spec names it, the runtime's field, and what the pod gets: volume, mount, fetch container.
+HEADS = {"mtp": ("mtpPath", "mtp_path", "mtp", "/mnt/mtp", names.FETCH_MTP_CONTAINER),
+         "eagle3": ("eagle3Path", "eagle3_path", "eagle3", "/mnt/eagle3", names.FETCH_EAGLE3_CONTAINER)}
 
 
+def head_pod(method: str, model: str, heads: str, **model_fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod spec, runtime container) of a ``method`` spec with ``heads`` as its head field."""
+    r = resolved(model={"uri": model, **model_fields}, speculative={"method": method, HEADS[method][0]: heads})
+    workload = render(r)[0]
+    return workload["spec"]["template"]["spec"], runtime(workload)
+
+
+@pytest.mark.parametrize("method", HEADS)
 @pytest.mark.parametrize(("heads", "inside"), [
-    ("pvc://mtp-heads/smollm2-mtp", "/mnt/mtp/smollm2-mtp"),
-    ("hf://org/smollm2-mtp", "/mnt/mtp/org/smollm2-mtp"),
-    ("file:///opt/heads/smollm2-mtp", "/opt/heads/smollm2-mtp"),
+    ("pvc://head-claim/smollm2-heads", "/smollm2-heads"),
+    ("hf://org/smollm2-heads", "/org/smollm2-heads"),
+    ("file:///opt/heads/smollm2-heads", "/opt/heads/smollm2-heads"),
 ])
-def test_mtp_heads_are_brought_in_as_the_model_is_and_passed_as_a_local_path(heads, inside):
-    pod, container = mtp_pod("smollm2-135m", heads)
+def test_heads_are_brought_in_as_the_model_is_and_passed_as_a_local_path(method, heads, inside):
+    _, config_field, volume, mount, fetch_container = HEADS[method]
+    inside = inside if heads.startswith("file://") else mount + inside
+    pod, container = head_pod(method, "smollm2-135m", heads)
     raw = arg(container, "--speculative-config")
-    assert json.loads(raw) == {"method": "mtp", "mtp_path": inside}
-    assert SpeculativeConfig.model_validate_json(raw).mtp_path == inside  # the runtime reads it back
-    mounted = {"name": "mtp", "mountPath": "/mnt/mtp", "readOnly": True}
+    assert json.loads(raw) == {"method": method, config_field: inside}
+    assert getattr(SpeculativeConfig.model_validate_json(raw), config_field) == inside  # the runtime reads it back
+    mounted = {"name": volume, "mountPath": mount, "readOnly": True}
     if heads.startswith("pvc://"):
-        assert {"name": "mtp", "persistentVolumeClaim": {"claimName": "mtp-heads", "readOnly": True}} in pod["volumes"]
+        assert {"name": volume, "persistentVolumeClaim": {"claimName": "head-claim", "readOnly": True}} in pod["volumes"]
         assert mounted in container["volumeMounts"] and "initContainers" not in pod
     elif heads.startswith("hf://"):
         (fetch,) = pod["initContainers"]
-        assert fetch["name"] == names.FETCH_MTP_CONTAINER and fetch["command"][-2:] == ["org/smollm2-mtp", inside]
-        assert fetch["volumeMounts"] == [{"name": "mtp", "mountPath": "/mnt/mtp"}]
-        assert {"name": "mtp", "emptyDir": {}} in pod["volumes"] and mounted in container["volumeMounts"]
+        assert fetch["name"] == fetch_container and fetch["command"][-2:] == ["org/smollm2-heads", inside]
+        assert fetch["volumeMounts"] == [{"name": volume, "mountPath": mount}]
+        assert {"name": volume, "emptyDir": {}} in pod["volumes"] and mounted in container["volumeMounts"]
     else:
-        assert all(v["name"] != "mtp" for v in pod["volumes"]) and "initContainers" not in pod
+        assert all(v["name"] != volume for v in pod["volumes"]) and "initContainers" not in pod
 
 
-def test_model_and_mtp_heads_from_two_sources_get_a_volume_each():
-    pod, container = mtp_pod("pvc://weights/qwen/7b", "pvc://heads/qwen-mtp")
+@pytest.mark.parametrize("method", HEADS)
+def test_model_and_heads_from_two_sources_get_a_volume_each(method):
+    _, _, volume, _, fetch_container = HEADS[method]
+    pod, container = head_pod(method, "pvc://weights/qwen/7b", "pvc://heads/qwen-heads")
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
-    assert claims == {"model": "weights", "mtp": "heads"}
+    assert claims == {"model": "weights", volume: "heads"}
     assert arg(container, "--model") == "/mnt/models/qwen/7b"
-    pod, _ = mtp_pod("hf://Qwen/Qwen2.5-7B", "hf://org/qwen-mtp", cacheClaim="hf-cache")
-    assert [c["name"] for c in pod["initContainers"]] == [names.FETCH_CONTAINER, names.FETCH_MTP_CONTAINER]
+    pod, _ = head_pod(method, "hf://Qwen/Qwen2.5-7B", "hf://org/qwen-heads", cacheClaim="hf-cache")
+    assert [c["name"] for c in pod["initContainers"]] == [names.FETCH_CONTAINER, fetch_container]
     cached = [v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim") == {"claimName": "hf-cache"}]
-    assert cached == ["model", "mtp"]  # one download cache for both
-    pod, _ = mtp_pod("file:///models/qwen", "hf://org/qwen-mtp", cacheClaim="hf-cache")  # the heads alone are hf://
-    assert {"name": "mtp", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
+    assert cached == ["model", volume]  # one download cache for both
+    pod, _ = head_pod(method, "file:///models/qwen", "hf://org/qwen-heads", cacheClaim="hf-cache")  # heads alone hf://
+    assert {"name": volume, "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["volumes"]
 
 
 def test_containers_leave_their_log_tail_as_termination_message():
-    pod, container = mtp_pod("hf://Qwen/Qwen2.5-7B", "hf://org/qwen-mtp")
+    pod, container = head_pod("mtp", "hf://Qwen/Qwen2.5-7B", "hf://org/qwen-mtp")
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert "terminationMessagePath" not in container  # Kubernetes' default, /dev/termination-log
     assert {c["terminationMessagePolicy"] for c in pod["initContainers"]} == {"FallbackToLogsOnError"}
@@ -434,7 +446,7 @@ def test_leader_worker_set_pod_template_passes_as_a_pod_template():
 # (tensor, pipeline, pods per group) of each layout, as its spec asks for it.
 GROUPS = {"tp-in-pod": (4, 1, 1), "pp-sts": (2, 2, 2), "pp-tp1": (1, 2, 2), "pp-stage-across-pods": (2, 2, 4),
           "pp-cpu": (2, 2, 2), "pp-mtp-gated": (1, 3, 3), "tp-across-pods": (4, 1, 2), "cpu": (1, 1, 1),
-          "mtp-hf": (1, 1, 1)}
+          "mtp-hf": (1, 1, 1), "eagle3-hf": (1, 1, 1)}
 
 
 def group_size(workload: dict[str, Any]) -> int:
@@ -491,7 +503,8 @@ def qos_class(pod: dict[str, Any]) -> str:
 
 # /dev/shm by default: 1Gi + 1Gi per rank in the pod (GPUs per pod, or tensor on CPU).
 DEFAULT_SHM = {"tp-in-pod": "5Gi", "pp-sts": "3Gi", "pp-tp1": "2Gi", "pp-stage-across-pods": "2Gi", "pp-cpu": "3Gi",
-               "pp-mtp-gated": "2Gi", "tp-across-pods": "3Gi", "cpu": "2Gi", "mtp-hf": "2Gi"}
+               "pp-mtp-gated": "2Gi", "tp-across-pods": "3Gi", "cpu": "2Gi", "mtp-hf": "2Gi",
+               "eagle3-hf": "2Gi"}
 
 
 def test_every_layouts_pods_request_cpu_and_memory_unlimited_and_size_shm_by_ranks():

@@ -73,12 +73,27 @@ def test_draft_model_must_be_an_alias_or_a_path():
     assert "spec.speculative.draftModel: takes a packaged alias or a path inside the pod" in message
 
 
-@pytest.mark.parametrize("uri", ["pvc://heads/smollm2-mtp", "file:///heads/smollm2-mtp", "hf://org/smollm2-mtp"])
+HEAD_URIS = ["pvc://heads/smollm2-heads", "file:///heads/smollm2-heads", "hf://org/smollm2-heads"]
+
+
+@pytest.mark.parametrize("uri", HEAD_URIS)
 def test_mtp_with_heads_is_allowed(uri):
     answer = resolve(cr(speculative={"method": "mtp", "numSpeculativeTokens": 2, "mtpPath": uri,
                                      "draftVocabSize": 8192}))
     assert answer.allowed and answer.warnings == ()
     assert answer.resolved.spec.speculative.mtp_path == uri  # render turns it into the path inside the pod
+
+
+@pytest.mark.parametrize("uri", HEAD_URIS)
+def test_eagle3_with_a_head_is_allowed(uri):
+    answer = resolve(cr(speculative={"method": "eagle3", "numSpeculativeTokens": 3, "eagle3Path": uri}))
+    assert answer.allowed and answer.warnings == (), answer.message
+    assert answer.resolved.spec.speculative.eagle3_path == uri  # render turns it into the path inside the pod
+
+
+def test_eagle3_without_a_head_is_refused_naming_eagle3_path():
+    message = refusal(cr(speculative={"method": "eagle3"}))
+    assert "spec.speculative: method 'eagle3' needs eagle3Path (the folder of an EAGLE-3 head" in message
 
 
 def test_mtp_without_heads_is_allowed_with_a_warning():
@@ -90,10 +105,26 @@ def test_mtp_without_heads_is_allowed_with_a_warning():
     assert admission_response(answer) == {"allowed": True, "warnings": [warning]}
 
 
-@pytest.mark.parametrize("uri", ["/heads/smollm2-mtp", "smollm2-135m", "s3://bucket/heads", "pvc://Heads/x", ""])
-def test_mtp_path_must_be_a_pvc_file_or_hf_uri(uri):
-    message = refusal(cr(speculative={"method": "mtp", "mtpPath": uri}))
-    assert "spec.speculative.mtpPath: must be pvc://claim/path, file:///path or hf://org/name" in message
+@pytest.mark.parametrize(("method", "field", "folder"), [
+    ("mtp", "mtpPath", "the folder `specdecode train-mtp` wrote"),
+    ("eagle3", "eagle3Path", "the folder of an EAGLE-3 head: config.json and its weights"),
+])
+@pytest.mark.parametrize("uri", ["/heads/smollm2-mtp", "smollm2-135m", "s3://bucket/heads", "pvc://Heads/x", "hf://org"])
+def test_head_paths_must_be_a_pvc_file_or_hf_uri(method, field, folder, uri):
+    answer = resolve(cr(speculative={"method": method, field: uri}))
+    assert not answer.allowed
+    (error,) = answer.errors  # said once, naming the field
+    assert error.startswith(f"spec.speculative.{field}: must be pvc://claim/path, file:///path or hf://org/name ({folder}")
+    assert error.endswith("leave it unset to draft with the MTP layers of the model's own checkpoint") is (method == "mtp")
+
+
+def test_an_empty_mtp_path_is_refused_as_no_uri():
+    assert "spec.speculative.mtpPath: must be pvc://claim/path" in refusal(cr(speculative={"method": "mtp", "mtpPath": ""}))
+
+
+def test_eagle3_path_needs_method_eagle3_and_says_so_in_crd_spelling():
+    message = refusal(cr(speculative={"method": "mtp", "eagle3Path": "pvc://heads/x"}))
+    assert "spec.speculative: eagle3Path is only used by method 'eagle3', not 'mtp'" in message
 
 
 @pytest.mark.parametrize("field", [{"mtpPath": "pvc://heads/x"}, {"draftVocabSize": 4096}])
@@ -163,7 +194,8 @@ def test_parallel_group_is_immutable():
 @pytest.mark.parametrize(("spec", "expected"), [
     ({"model": {"uri": "nosuch-model"}}, "spec.model.uri: 'nosuch-model' is not a packaged model; use one of"),
     ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri: must be pvc://claim/path, file:///path, hf://org/name"),
-    ({"model": {"uri": "file:///models/x", "cacheClaim": "c"}}, "spec.model.cacheClaim: only hf:// sources"),
+    ({"model": {"uri": "file:///models/x", "cacheClaim": "c"}}, "spec.model.cacheClaim: only hf:// sources (model.uri, "
+     "speculative.mtpPath, speculative.eagle3Path) are downloaded; remove it"),
     ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.rollout: maxSurge and maxUnavailable are both 0"),
     ({"rollout": {"maxSurge": "150%"}}, "spec.rollout.maxSurge: '150%' must be a whole number or a percentage"),
     ({"rollout": {"steps": [{"weight": 50}, {"weight": 20}]}}, "spec.rollout.steps: weights [50, 20] must increase"),
@@ -264,6 +296,10 @@ UNKNOWN = "unknown field; remove it (field names are camelCase)"
      "spec.pod.volumeMounts[0].mountPath: /dev/shm is where the operator mounts its volume dshm: mount elsewhere"),
     ({"pod": {"volumeMounts": [{"name": "mtp", "mountPath": "/mnt/mtp"}]}},
      "spec.pod.volumeMounts[0].mountPath: /mnt/mtp is where the operator mounts its volume mtp"),
+    ({"pod": {"volumes": [{"name": "eagle3", "emptyDir": {}}]}},
+     "spec.pod.volumes[0].name: eagle3 is the operator's volume for the EAGLE-3 head (spec.speculative.eagle3Path)"),
+    ({"pod": {"volumeMounts": [{"name": "eagle3", "mountPath": "/mnt/eagle3"}]}},
+     "spec.pod.volumeMounts[0].mountPath: /mnt/eagle3 is where the operator mounts its volume eagle3"),
     # unknown fields at any depth, and at the top level
     ({"rollout": {"anlysis": {"interval": "1m"}}}, f"spec.rollout.anlysis: {UNKNOWN}"),
     ({"colour": "blue"}, f"spec.colour: {UNKNOWN}"),
