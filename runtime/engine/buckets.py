@@ -48,7 +48,7 @@ def bucketable(scheduled: list[ScheduledSeq], buckets: list[int]) -> bool:
 
 @dataclass
 class BucketedLists:
-    """A bucketed step's inputs as host lists (``ModelRunner.prepare`` uploads them in one copy)."""
+    """A bucketed step's inputs as host lists (``ModelRunner.prepare`` makes them ``StepLists``)."""
 
     tokens: list[int]  # [B_pad · Q]
     sample_rows: list[int]  # [Σ (num_draft + 1)]: the real rows, in scheduled order

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
+from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep, StepLists
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence, TokenLogprob
-from specdecode.runtime.engine.verifier import Verdict, Verifier
+from specdecode.runtime.engine.transfer import upload_groups
+from specdecode.runtime.engine.verifier import Verdict, Verifier, VerifyLists
 
 if TYPE_CHECKING:
     from specdecode.runtime.proposers import AheadDrafts, Proposer
@@ -48,7 +49,7 @@ class Execution:
     # whether the steps' prompt rows get their logprobs (``SamplingParams.prompt_logprobs``)
     scores_prompt_logprobs: bool = False
 
-    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+    def launch(self, scheduled: list[ScheduledSeq], step: StepLists, rows: list[SamplerRow]) -> Pending:
         raise NotImplementedError
 
     def abandon(self, exc: BaseException) -> BaseException:
@@ -66,6 +67,17 @@ class Execution:
         """Stop any thread this execution started."""
 
 
+@dataclass
+class _Sent:
+    """A launched step's inputs on the device: the forward's, the verifier's and the proposer's."""
+
+    step: PreparedStep
+    rows: list[SamplerRow]
+    checks: VerifyLists | None
+    on: dict[str, torch.Tensor]  # ``checks`` on the device
+    ahead: tuple[AheadDrafts, list[torch.Tensor]] | None  # the drafts made ahead and their parts on the device
+
+
 class LocalExecution(Execution):
     scores_prompt_logprobs = True
 
@@ -77,13 +89,20 @@ class LocalExecution(Execution):
             runner.aux_layers = proposer.aux_layer_ids
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="specdecode-step") if overlap else None
 
-    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+    def launch(self, scheduled: list[ScheduledSeq], step: StepLists, rows: list[SamplerRow]) -> Pending:
+        """The step's one upload — its model inputs, its verifier's and its proposer's lists — then
+        its forward and verification (in the background with overlap)."""
         deciding = [item for item in scheduled if item.samples]  # the rows' items, in order
         ahead = self.proposer.draft_ahead(deciding) if self.proposer is not None and rows else None
+        checks = self.verifier.lists(rows) if rows else None
+        inputs, on, ahead_parts = upload_groups(
+            [step.parts, checks.parts if checks else [], ahead.parts if ahead else []], self.runner.device)
+        sent = _Sent(step.on_device(inputs), rows, checks, checks.on_device(on) if checks else {},
+                     (ahead, ahead_parts) if ahead is not None else None)
         if self._thread is None:
-            result = self._run(step, rows, ahead)
+            result = self._run(sent)
             return lambda: result
-        return self._thread.submit(self._run, step, rows, ahead).result
+        return self._thread.submit(self._run, sent).result
 
     def abandon(self, exc: BaseException) -> BaseException:
         """Wait for the step still running in the background: it writes the KV pools the next step reads.
@@ -93,9 +112,10 @@ class LocalExecution(Execution):
         return exc
 
     @torch.inference_mode()
-    def _run(self, step: PreparedStep, rows: list[SamplerRow], ahead: AheadDrafts | None) -> StepResult:
+    def _run(self, sent: _Sent) -> StepResult:
+        step = sent.step
         out = self.runner.run(step)
-        verdicts = self.verifier(out.logits, rows, ahead) if rows else []
+        verdicts = self.verifier.verify(out.logits, sent.rows, sent.checks, sent.on, sent.ahead) if sent.rows else []
         prompt_logprobs = self.runner.prompt_logprobs(step, out.hidden) if step.prompt_token_ids else []
         observed = out.aux if self.runner.aux_layers else out.hidden
         return StepResult(verdicts, observed, prompt_logprobs)

@@ -39,7 +39,7 @@ from specdecode.runtime.engine.detokenizer import IncrementalDetokenizer
 from specdecode.runtime.engine.load_control import LoadController
 from specdecode.runtime.engine.execution import Execution, LocalExecution, StepResult
 from specdecode.runtime.engine.grammar import GrammarCompiler
-from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep, num_kv_blocks
+from specdecode.runtime.engine.model_runner import ModelRunner, StepLists, num_kv_blocks
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq, Scheduler
 from specdecode.runtime.engine.sequence import (
@@ -103,7 +103,7 @@ class _Plan:
     """A step ready to launch: its sequences, their inputs and the deciding items' sampler rows."""
 
     scheduled: list[ScheduledSeq]
-    inputs: PreparedStep
+    inputs: StepLists
     deciding: list[ScheduledSeq]  # the items whose step decides tokens (``samples`` turns False once they are appended)
     rows: list[SamplerRow]  # theirs
 
@@ -242,7 +242,7 @@ class LLMEngine:
         self._forget_preempted()
         return self._build(scheduled) if scheduled else None
 
-    def _build(self, scheduled: list[ScheduledSeq], inputs: PreparedStep | None = None) -> _Plan:
+    def _build(self, scheduled: list[ScheduledSeq], inputs: StepLists | None = None) -> _Plan:
         self._event("inputs built", self._step_number + 1)
         inputs = inputs or self.runner.prepare(scheduled)
         deciding = [item for item in scheduled if item.samples]
@@ -276,7 +276,7 @@ class LLMEngine:
         self._event("rebuilt: a sequence stopped running", self._step_number + 1)
         return self._build(kept) if kept else None
 
-    def _while_running(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None] | None:
+    def _while_running(self, plan: _Plan) -> tuple[list[ScheduledSeq], StepLists | None] | None:
         """Count the launched step's tokens as computed; with overlap, plan step N+1 ahead meanwhile."""
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens - item.num_draft
@@ -287,7 +287,7 @@ class LLMEngine:
         self.overlapped_host_s += time.perf_counter() - before
         return ahead
 
-    def _plan_ahead(self, plan: _Plan) -> tuple[list[ScheduledSeq], PreparedStep | None]:
+    def _plan_ahead(self, plan: _Plan) -> tuple[list[ScheduledSeq], StepLists | None]:
         """Step N+1's prompt chunks and admissions, built while step N runs (see the module docstring)."""
         ahead = self.scheduler.schedule_ahead(self._decode_reservation(plan.deciding))
         inputs = self.runner.prepare(ahead) if ahead else None
@@ -308,7 +308,7 @@ class LLMEngine:
         return sum(1 + (draft_cap(item.seq, k, self.max_model_len) if self.proposer.drafts_for(item.seq) else 0)
                    for item in deciding)
 
-    def _complete(self, plan: _Plan, ahead: list[ScheduledSeq], ahead_inputs: PreparedStep | None) -> _Plan | None:
+    def _complete(self, plan: _Plan, ahead: list[ScheduledSeq], ahead_inputs: StepLists | None) -> _Plan | None:
         """Step N+1 once step N's verdicts are in: the decode rows of its deciding sequences that
         still run (drafts proposed now), before the rows built ahead."""
         decoding = []

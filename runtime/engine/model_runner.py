@@ -2,13 +2,13 @@
 of the rows that decide tokens, every row's hidden state (what an MTP head drafts from) and, for
 the layers in ``aux_layers``, the residual streams entering them (what an EAGLE-3 head drafts from).
 
-All host→device traffic of the forward's inputs happens in ``prepare``: the flat token batch,
-the rows to sample, positions, slot mapping and the attention metadata (block tables, sequence
-lengths, query offsets) are built on the host as lists and moved in one non-blocking copy from
-pinned memory (``upload``): no sync with the device. Under tensor
-parallelism rank 0's runner hands what ``prepare`` built to its ``StepChannel``, which sends it
-to the other ranks and runs the forward in lockstep with theirs; each rank's pools hold its own
-KV heads under the same block tables.
+``prepare`` builds a step's inputs on the host as lists: the flat token batch, the rows to
+sample, positions, slot mapping and the attention metadata (block tables, sequence lengths, query
+offsets), ``StepLists``. They reach the device in the step's one non-blocking copy from pinned
+memory, with the verifier's and the proposer's lists (``LocalExecution.launch``, ``upload``): no
+sync with the device. Under tensor parallelism rank 0's runner hands the step to its
+``StepChannel``, which sends it to the other ranks and runs the forward in lockstep with theirs;
+each rank's pools hold its own KV heads under the same block tables.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         """Forward every scheduled token (rows in scheduled order, each item's ``num_tokens`` rows)."""
-        return self.run(self.prepare(scheduled))
+        return self.run(self.prepare(scheduled).upload(self.device))
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepOutput:
@@ -132,9 +132,10 @@ class ModelRunner:
             return hidden, hidden.new_empty(hidden.shape[0], 0)
         return self.model.forward_aux(inputs, self.kv_pools, batch, self.aux_layers)
 
-    def prepare(self, scheduled: list[ScheduledSeq], pad: bool = True) -> PreparedStep:
-        """The step's inputs on the device; a decode/verify step padded to its batch bucket where the
-        runner has buckets (``pad``: False for rows that will be joined to others)."""
+    def prepare(self, scheduled: list[ScheduledSeq], pad: bool = True) -> StepLists:
+        """The step's inputs as host lists (no torch op: they reach the device in the step's one
+        upload, ``StepLists``); a decode/verify step padded to its batch bucket where the runner has
+        buckets (``pad``: False for rows that will be joined to others)."""
         if pad and self.buckets is not None and bucketable(scheduled, self.buckets):
             return self._prepare_bucketed(scheduled)
         tokens: list[int] = []
@@ -154,29 +155,59 @@ class ModelRunner:
             if item.samples:
                 sample_rows += range(len(tokens) - item.num_draft - 1, len(tokens))
         spans = [Span(item.seq.block_table, item.start, item.num_tokens) for item in scheduled]
-        lists = attention_lists(spans, self.block_size, self.null_block)
-        input_ids, sample_at, prompt_at, *batch = upload([tokens, sample_rows, prompt_rows, *lists.parts], self.device)
-        return PreparedStep(input_ids, lists.batch(batch), sample_at, prompt_at, prompt_token_ids, prompt_num_top,
-                            self.null_block)
+        return StepLists(tokens, sample_rows, prompt_rows, prompt_token_ids, prompt_num_top,
+                         attention_lists(spans, self.block_size, self.null_block))
 
-    def _prepare_bucketed(self, scheduled: list[ScheduledSeq]) -> PreparedStep:
+    def _prepare_bucketed(self, scheduled: list[ScheduledSeq]) -> StepLists:
         lists = bucketed_lists(scheduled, self.buckets, self.block_size, self.null_block,
                                self.model.config.max_position_embeddings, self.graphs.width if self.graphs else 0)
-        input_ids, sample_at, prompt_at, positions, slots, tables, seq_lens, starts = upload(
-            [lists.tokens, lists.sample_rows, [], lists.positions, lists.slots, lists.tables, lists.seq_lens,
-             lists.starts], self.device)
-        batch = AttentionBatch(positions=positions, slot_mapping=slots,
-                               block_tables=tables.view(lists.num_seqs, lists.width), seq_lens=seq_lens,
-                               query_start=starts, block_size=self.block_size, max_query_len=lists.query_len,
-                               query_start_list=lists.starts, seq_lens_list=lists.seq_lens,
-                               uniform_query_len=lists.query_len)
-        return PreparedStep(input_ids, batch, sample_at, prompt_at, [], [], self.null_block,
-                            bucket=(lists.num_seqs, lists.query_len))
+        attention = AttentionLists(lists.positions, lists.slots, lists.tables, lists.seq_lens, lists.starts, [],
+                                   lists.num_seqs, lists.width, 0, self.block_size, lists.query_len, self.null_block,
+                                   uniform_query_len=lists.query_len)
+        return StepLists(lists.tokens, lists.sample_rows, [], [], [], attention, bucket=(lists.num_seqs, lists.query_len))
+
+
+@dataclass
+class StepLists:
+    """A step's model inputs as host lists, what ``prepare`` builds. They reach the device in the
+    step's one upload (``parts`` there, ``on_device`` back), with the verifier's and the proposer's
+    lists (``LocalExecution.launch``): one non-blocking copy a step."""
+
+    tokens: list[int]  # [T]
+    sample_rows: list[int]  # [R]: the rows whose logits decide tokens
+    prompt_rows: list[int]  # [P]: the rows that score the next prompt token's logprob
+    prompt_token_ids: list[int]  # [P] the prompt token each of them scores
+    prompt_num_top: list[int]  # [P] the alternatives asked for with each
+    attention: AttentionLists
+    bucket: tuple[int, int] | None = None  # (B_pad, Q) of a bucketed step (``buckets.py``); None: exact shapes
+
+    @property
+    def parts(self) -> list[list[int]]:
+        return [self.tokens, self.sample_rows, self.prompt_rows, *self.attention.parts]
+
+    def on_device(self, parts: list[torch.Tensor]) -> PreparedStep:
+        """The step over ``parts``: these lists on the device, in ``parts`` order."""
+        input_ids, sample_rows, prompt_rows, *batch = parts
+        return PreparedStep(input_ids, self.attention.batch(batch), sample_rows, prompt_rows, self.prompt_token_ids,
+                            self.prompt_num_top, self.attention.null_block, self.bucket)
+
+    def upload(self, device: torch.device) -> PreparedStep:
+        """On ``device`` in a copy of its own (a step whose verification runs elsewhere)."""
+        return self.on_device(upload(self.parts, device))
+
+    def then(self, other: StepLists) -> StepLists:
+        """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a
+        step's prompt chunks while the previous step runs, its decode rows after)."""
+        offset = len(self.tokens)
+        return StepLists(self.tokens + other.tokens, self.sample_rows + [r + offset for r in other.sample_rows],
+                         self.prompt_rows + [r + offset for r in other.prompt_rows],
+                         self.prompt_token_ids + other.prompt_token_ids, self.prompt_num_top + other.prompt_num_top,
+                         self.attention.then(other.attention))
 
 
 @dataclass
 class PreparedStep:
-    """A step's model inputs, built on the host and moved to the device once."""
+    """A step's model inputs on the device (``StepLists.on_device``)."""
 
     input_ids: torch.Tensor  # [T] long
     batch: AttentionBatch
@@ -186,16 +217,6 @@ class PreparedStep:
     prompt_num_top: list[int]  # [P] the alternatives asked for with each
     null_block: int  # the pools' null block (block-table padding)
     bucket: tuple[int, int] | None = None  # (B_pad, Q) of a bucketed step (``buckets.py``); None: exact shapes
-
-    def then(self, other: PreparedStep) -> PreparedStep:
-        """This step's rows followed by ``other``'s (built apart: overlap scheduling builds a
-        step's prompt chunks while the previous step runs, its decode rows after)."""
-        offset = self.input_ids.numel()
-        return PreparedStep(torch.cat([self.input_ids, other.input_ids]), joined(self.batch, other.batch, self.null_block),
-                            torch.cat([self.sample_rows, other.sample_rows + offset]),
-                            torch.cat([self.prompt_rows, other.prompt_rows + offset]),
-                            self.prompt_token_ids + other.prompt_token_ids, self.prompt_num_top + other.prompt_num_top,
-                            self.null_block)
 
 
 @dataclass
@@ -231,10 +252,28 @@ class AttentionLists:
     hidden_width: int  # H
     block_size: int
     max_query_len: int
+    null_block: int  # what the tables are padded with
+    uniform_query_len: int | None = None  # Q of a bucketed step: every sequence has Q rows
 
     @property
     def parts(self) -> list[list[int]]:
         return [self.positions, self.slots, self.tables, self.seq_lens, self.starts, self.hidden_keys]
+
+    def then(self, other: AttentionLists) -> AttentionLists:
+        """This batch's rows and sequences followed by ``other``'s, the tables padded to the wider."""
+        if self.hidden_width or other.hidden_width:
+            raise ValueError("an MTP chain step (hidden keys) is never joined to another")
+        width = max(self.width, other.width)
+        offset = self.starts[-1]
+        return AttentionLists(self.positions + other.positions, self.slots + other.slots,
+                              self._tables(width) + other._tables(width), self.seq_lens + other.seq_lens,
+                              self.starts + [s + offset for s in other.starts[1:]], [], self.num_seqs + other.num_seqs,
+                              width, 0, self.block_size, max(self.max_query_len, other.max_query_len), self.null_block)
+
+    def _tables(self, width: int) -> list[int]:
+        """The tables, each padded with the null block to ``width`` entries."""
+        pad = [self.null_block] * (width - self.width)
+        return [b for s in range(self.num_seqs) for b in self.tables[s * self.width : (s + 1) * self.width] + pad]
 
     def batch(self, parts: list[torch.Tensor]) -> AttentionBatch:
         """The batch over ``parts``: these lists on the device, in ``parts`` order (``upload``)."""
@@ -243,7 +282,8 @@ class AttentionLists:
                               seq_lens=seq_lens, query_start=starts, block_size=self.block_size,
                               max_query_len=self.max_query_len,
                               hidden_keys=hidden.view(self.num_seqs, self.hidden_width) if self.hidden_width else None,
-                              query_start_list=self.starts, seq_lens_list=self.seq_lens)
+                              query_start_list=self.starts, seq_lens_list=self.seq_lens,
+                              uniform_query_len=self.uniform_query_len)
 
 
 def attention_lists(spans: list[Span], block_size: int, null_block: int) -> AttentionLists:
@@ -264,39 +304,10 @@ def attention_lists(spans: list[Span], block_size: int, null_block: int) -> Atte
         positions, slots, [b for span in spans for b in span.block_table + [null_block] * (width - len(span.block_table))],
         [span.start + span.count for span in spans], starts,
         [k for span in spans for k in list(span.hidden_keys) + [-1] * (hidden_width - len(span.hidden_keys))],
-        len(spans), width, hidden_width, block_size, max((span.count for span in spans), default=0))
+        len(spans), width, hidden_width, block_size, max((span.count for span in spans), default=0), null_block)
 
 
 def build_attention_batch(spans: list[Span], block_size: int, null_block: int, device: torch.device) -> AttentionBatch:
     """``attention_lists`` of ``spans`` on ``device`` (one copy)."""
     lists = attention_lists(spans, block_size, null_block)
     return lists.batch(upload(lists.parts, device))
-
-
-def joined(first: AttentionBatch, second: AttentionBatch, null_block: int) -> AttentionBatch:
-    """``first``'s rows and sequences followed by ``second``'s."""
-    width = max(first.block_tables.shape[1], second.block_tables.shape[1])
-
-    def padded(tables: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(tables, (0, width - tables.shape[1]), value=null_block)
-
-    if first.hidden_keys is not None or second.hidden_keys is not None:
-        raise ValueError("an MTP chain step (hidden keys) is never joined to another")
-    return AttentionBatch(
-        positions=torch.cat([first.positions, second.positions]),
-        slot_mapping=torch.cat([first.slot_mapping, second.slot_mapping]),
-        block_tables=torch.cat([padded(first.block_tables), padded(second.block_tables)]),
-        seq_lens=torch.cat([first.seq_lens, second.seq_lens]),
-        query_start=torch.cat([first.query_start, second.query_start[1:] + first.positions.numel()]),
-        block_size=first.block_size, max_query_len=max(first.max_query_len, second.max_query_len),
-        **_joined_lists(first, second))
-
-
-def _joined_lists(first: AttentionBatch, second: AttentionBatch) -> dict[str, list[int]]:
-    """The host lists of ``joined``'s batch, where both batches have theirs."""
-    if any(x is None for x in (first.query_start_list, second.query_start_list, first.seq_lens_list,
-                               second.seq_lens_list)):
-        return {}
-    offset = first.query_start_list[-1]
-    return {"query_start_list": first.query_start_list + [s + offset for s in second.query_start_list[1:]],
-            "seq_lens_list": first.seq_lens_list + second.seq_lens_list}

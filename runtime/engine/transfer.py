@@ -14,6 +14,17 @@ def upload(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
+def upload_groups(groups: list[list[list[int]]], device: torch.device) -> list[list[torch.Tensor]]:
+    """Several consumers' lists in one ``upload`` (a step's model inputs, its verifier's, its
+    proposer's), handed back grouped as given."""
+    flat = upload([part for group in groups for part in group], device)
+    out, at = [], 0
+    for group in groups:
+        out.append(flat[at : at + len(group)])
+        at += len(group)
+    return out
+
+
 def float_bits(values: list[float]) -> list[int]:
     """Each value rounded to fp32 (as ``torch.tensor(values, dtype=float32)`` rounds) and read as its
     int32 bits: a long list that ``as_floats`` turns back into exactly those fp32 values."""

@@ -53,33 +53,55 @@ class Verdict:
     logprobs: list[TokenLogprob]  # one per emitted token when the request asked, else empty
 
 
+@dataclass
+class VerifyLists:
+    """What a step's verification reads from the host (``Verifier.lists``): long lists for the step's
+    one upload (``parts``), and the order its kernels take the sequences in."""
+
+    lists: dict[str, list[int]]
+    greedy: list[int]  # the greedy sequences' indices, then
+    sampled: list[int]  # the sampled ones'
+    width: int  # K + 1: rows per sequence, padded
+
+    @property
+    def parts(self) -> list[list[int]]:
+        return list(self.lists.values())
+
+    def on_device(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(self.lists, parts))
+
+
 class Verifier:
-    """One step's verification moves its host inputs to the device in one upload (``_lists``) and
-    reads every sequence's verdict back at once, with the proposer's drafts for the next step where
-    it makes them from the verdicts (``AheadDrafts``); logprobs, when a request asked, are a second read."""
+    """A step's verification takes its host inputs (``lists``) to the device with the step's other
+    inputs in one upload and reads every sequence's verdict back at once, with the proposer's drafts
+    for the next step where it makes them from the verdicts (``AheadDrafts``); logprobs, when a
+    request asked, are a second read."""
 
     def __init__(self, strategy: VerifyStrategy, verify_top_p: float):
         self.strategy = VerifyStrategy.TARGET_MATCH if strategy is VerifyStrategy.GREEDY else strategy
         self.verify_top_p = verify_top_p
 
-    def __call__(
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> list[Verdict]:
+        """``verify`` with an upload of its own (where the step's inputs went to the device elsewhere)."""
+        lists = self.lists(rows)
+        return self.verify(logits, rows, lists, lists.on_device(upload(lists.parts, logits.device)))
+
+    def verify(
         self,
         logits: torch.Tensor,  # [R, V] fp32 raw target logits, R = Σ row.num_rows in row order
         rows: list[SamplerRow],
-        ahead: AheadDrafts | None = None,  # the proposer's drafts for the next step, read with the verdicts
+        lists: VerifyLists,  # ``lists(rows)``
+        on: dict[str, torch.Tensor],  # ``lists`` on the device
+        ahead: tuple[AheadDrafts, list[torch.Tensor]] | None = None,  # the proposer's drafts for the next
+        # step, read with the verdicts, and its parts on the device
     ) -> list[Verdict]:
         raw = logits  # logprobs come from the raw logits
-        starts = row_starts(rows)
-        width = max(r.num_rows for r in rows)  # K + 1
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        lists = self._lists(rows, starts, width, greedy, sampled)
-        if lists["penalized_rows"] or lists["bias_rows"] or lists["constrained_rows"]:
+        if lists.lists["penalized_rows"] or lists.lists["bias_rows"] or lists.lists["constrained_rows"]:
             logits = logits.clone()  # shaped in place below; raw stays as it was
-        on = dict(zip(lists, upload(list(lists.values()), logits.device)))
         apply_penalties(logits, on)
         apply_logit_bias(logits, on)
         apply_grammar_masks(logits, rows, on)
+        greedy, sampled, width = lists.greedy, lists.sampled, lists.width
         g, b = len(greedy), len(rows)
         pad = on["pad"].view(b, width)  # [G+S, K+1]: greedy sequences, then sampled ones
         drafts, num_drafts = on["drafts"].view(b, width - 1), on["num_drafts"]  # [G+S, K], [G+S]
@@ -88,36 +110,39 @@ class Verifier:
             results.append(greedy_verify(drafts[:g], num_drafts[:g], logits.argmax(dim=-1)[pad[:g]]))
         if sampled:
             results.append(self._verify_sampled(logits, [rows[i] for i in sampled], pad[g:], drafts[g:], num_drafts[g:], on))
-        result = torch.cat(results)  # [G+S, K+1]
-        out: list[list[int]] = [[] for _ in rows]
-        for i, tokens in zip(greedy + sampled, _read(result, greedy + sampled, ahead)):
-            out[i] = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+        result = torch.cat(results).index_select(0, on["row_order"])  # [B, K+1]: back in row order
+        out = [[t for t in tokens if t != PLACEHOLDER_TOKEN_ID] for tokens in _read(result, ahead)]
         logprobs = self._logprobs(raw, rows, result, on, out)
         return [Verdict(tokens, len(tokens) - 1, lp) for tokens, lp in zip(out, logprobs)]
 
-    def _lists(self, rows, starts, width, greedy, sampled) -> dict[str, list[int]]:
+    def lists(self, rows: list[SamplerRow]) -> VerifyLists:
         """Everything the step's verification reads from the host, as long lists (``logit_lists``' too):
         per sequence (greedy ones, then sampled ones) its rows padded to K + 1 by repeating its last
-        (``pad``), its drafts padded with placeholders and their count; per sampled sequence its
-        randomness keys and, per padded row, its temperature, top-k and top-p; the draft-probability
-        layout for rejection sampling; the rows and result positions of the logprobs asked for."""
+        (``pad``), its drafts padded with placeholders and their count; where each sequence's verdict
+        lies in that order (``row_order``); per sampled sequence its randomness keys and, per padded
+        row, its temperature, top-k and top-p; the draft-probability layout for rejection sampling;
+        the rows and result positions of the logprobs asked for."""
+        starts = row_starts(rows)
+        width = max(r.num_rows for r in rows)  # K + 1
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         k = width - 1
         order = greedy + sampled
         lists = logit_lists(rows, starts)
         lists["pad"] = [starts[i] + min(j, rows[i].num_rows - 1) for i in order for j in range(width)]
         lists["drafts"] = [t for i in order for t in rows[i].draft_token_ids + [PLACEHOLDER_TOKEN_ID] * (k + 1 - rows[i].num_rows)]
         lists["num_drafts"] = [len(rows[i].draft_token_ids) for i in order]
+        lists["row_order"] = sorted(range(len(order)), key=order.__getitem__)
         lists["seeds"] = [rows[i].seed for i in sampled]
         lists["positions"] = [rows[i].first_position for i in sampled]
         lists["temperature"], lists["top_k"], lists["top_p"] = shaping_lists(
             [rows[i].params for i in sampled for _ in range(width)])
         if self.strategy is VerifyStrategy.REJECTION:
             lists |= _draft_prob_lists([rows[i] for i in sampled], k)
-        at = {i: b for b, i in enumerate(order)}
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         lists["logprob_rows"] = [starts[i] + j for i in asking for j in range(rows[i].num_rows)]
-        lists["logprob_at"] = [at[i] * width + j for i in asking for j in range(rows[i].num_rows)]
-        return lists
+        lists["logprob_at"] = [i * width + j for i in asking for j in range(rows[i].num_rows)]
+        return VerifyLists(lists, greedy, sampled, width)
 
     def _verify_sampled(self, logits, rows, pad, drafts, num_drafts, on) -> torch.Tensor:  # [S, K+1]
         s, width = pad.shape
@@ -156,14 +181,15 @@ class Verifier:
         return per_row
 
 
-def _read(result: torch.Tensor, order: list[int], ahead: AheadDrafts | None) -> list[list[int]]:
-    """The verdicts ``result [G+S, K+1]`` as rows of tokens, in one read with what ``ahead`` drafted
+def _read(result: torch.Tensor, ahead: tuple[AheadDrafts, list[torch.Tensor]] | None) -> list[list[int]]:
+    """The verdicts ``result [B, K+1]`` as rows of tokens, in one read with what ``ahead`` drafted
     from them on the device."""
     if ahead is None:
         return result.tolist()
-    values = torch.cat([result.flatten(), ahead.compute(result, order)]).tolist()
+    drafts, parts = ahead
+    values = torch.cat([result.flatten(), drafts.compute(result, parts)]).tolist()
     width, split = result.shape[1], result.numel()
-    ahead.take(values[split:])
+    drafts.take(values[split:])
     return [values[r : r + width] for r in range(0, split, width)]
 
 

@@ -48,7 +48,7 @@ from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeM
 from specdecode.runtime.engine.execution import Execution, Pending, StepResult
 from specdecode.runtime.engine.grammar import GrammarCompiler
 from specdecode.runtime.engine.llm_engine import draft_cap
-from specdecode.runtime.engine.model_runner import ModelRunner, PreparedStep
+from specdecode.runtime.engine.model_runner import ModelRunner, StepLists
 from specdecode.runtime.engine.sampler import SamplerRow
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -260,7 +260,8 @@ class PipelineExecution(Execution):
         broken.__cause__ = exc
         return broken
 
-    def launch(self, scheduled: list[ScheduledSeq], step: PreparedStep, rows: list[SamplerRow]) -> Pending:
+    def launch(self, scheduled: list[ScheduledSeq], lists: StepLists, rows: list[SamplerRow]) -> Pending:
+        step = lists.upload(self.runner.device)  # the verifier's inputs go to the last stage in the plan
         plan = self._plan(scheduled, rows)
         deciding = [item for item in scheduled if item.samples]
         width = max((item.num_draft for item in deciding), default=0) + 1

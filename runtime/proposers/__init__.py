@@ -27,12 +27,15 @@ class Proposal:
 
 class AheadDrafts:
     """A launched step's drafts for the next step, made on the device from its verdicts before they
-    are read, and read with them (``Verifier``): what lets a step read the device once."""
+    are read, and read with them (``Verifier``): what lets a step read the device once. What it needs
+    from the host goes in the step's one upload (``parts``, handed back to ``compute``)."""
 
-    def compute(self, verdicts: torch.Tensor, order: list[int]) -> torch.Tensor:
-        """verdicts [R, K+1] long: row r the verdict tokens (accepted drafts, then the recovered or
-        bonus token, placeholder-padded) of the step's deciding item ``order[r]`` → a flat long
-        tensor, read back with the verdicts and handed to ``take``."""
+    parts: list[list[int]] = []  # long lists, uploaded with the step's inputs
+
+    def compute(self, verdicts: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+        """verdicts [N, K+1] long: row i the verdict tokens (accepted drafts, then the recovered or
+        bonus token, placeholder-padded) of the step's deciding item i; ``parts`` on the device →
+        a flat long tensor, read back with the verdicts and handed to ``take``."""
         raise NotImplementedError
 
     def take(self, values: list[int]) -> None:
@@ -108,8 +111,8 @@ def build_proposer(
     per-step token budget (its prompt catch-ups are chunked to it); ``mtp`` the target model, what
     it was loaded from (``LoadConfig.model``: its checkpoint may carry the MTP layers) and the KV
     block size / pool size (the heads keep K/V under the target's block tables); ``eagle3`` the
-    target model and the KV block size / pool size. A draft model's
-    single-token steps use the target's batch ``buckets`` and, with ``cuda_graphs``, graphs of its own."""
+    target model and the KV block size / pool size. A draft model's single-token steps and a head's
+    drafting steps use the target's batch ``buckets``; a draft model, with ``cuda_graphs``, graphs of its own."""
     if cfg.method is SpeculativeMethod.NONE:
         if not cfg.grammar_drafts:
             return None
@@ -139,11 +142,15 @@ def build_proposer(
 
         if target is None or target_source is None or num_blocks is None:
             raise ValueError("method 'mtp' needs the target model, where it was loaded from and its KV pool size")
-        return load_mtp_proposer(cfg, target, target_source, block_size=block_size, num_blocks=num_blocks)
+        heads = load_mtp_proposer(cfg, target, target_source, block_size=block_size, num_blocks=num_blocks)
+        heads.buckets = buckets
+        return heads
     if cfg.method is SpeculativeMethod.EAGLE3:
         from specdecode.runtime.proposers.eagle3 import load_eagle3_proposer
 
         if target is None or num_blocks is None:
             raise ValueError("method 'eagle3' needs the target model and its KV pool size")
-        return load_eagle3_proposer(cfg, target, block_size=block_size, num_blocks=num_blocks)
+        head = load_eagle3_proposer(cfg, target, block_size=block_size, num_blocks=num_blocks)
+        head.buckets = buckets
+        return head
     raise ValueError(f"speculative method {cfg.method.value!r} is not available in this build yet")

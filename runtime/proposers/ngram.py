@@ -88,24 +88,22 @@ class DeviceContexts:
 class NgramAhead(AheadDrafts):
     """The next step's n-gram drafts of a launched step's deciding sequences (module docstring)."""
 
-    def __init__(self, proposer: NgramProposer, seqs: list[Sequence], rows: list[int], room: int):
-        self.proposer, self.rows, self.room = proposer, rows, room
+    def __init__(self, proposer: NgramProposer, seqs: list[Sequence], rows: list[int]):
+        self.proposer, self.rows = proposer, rows
         self.seq_ids = [seq.seq_id for seq in seqs]
         self.lengths = [len(seq) for seq in seqs]  # where each row's verdict tokens go
+        self.parts = [rows, self.lengths]
         self.drafted: list[tuple[int, list[int]]] | None = None  # per sequence: (its length then, drafts)
 
-    def compute(self, verdicts: torch.Tensor, order: list[int]) -> torch.Tensor:
-        """verdicts [R, W] long, row r the verdict tokens of deciding sequence ``order[r]``,
-        placeholder-padded → [N · k + 2N] long: the drafts, their counts, the new lengths."""
+    def compute(self, verdicts: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+        """verdicts [N, W] long, placeholder-padded → [N · k + 2N] long: the drafts, their counts,
+        the new lengths."""
         contexts, k = self.proposer.contexts, self.proposer.k
-        width = verdicts.shape[1]  # ≤ room: the most rows a sequence had this step
-        at_row = {i: r for r, i in enumerate(order)}
-        writes = [row * contexts.width + length + j for row, length in zip(self.rows, self.lengths) for j in range(width)]
-        picked, rows, lengths, writes = upload([[at_row[i] for i in range(len(self.rows))], self.rows, self.lengths,
-                                                writes], verdicts.device)
-        tokens = verdicts.index_select(0, picked)  # [N, W]
-        contexts.buffer.view(-1).index_copy_(0, writes, tokens.flatten())
-        lengths = lengths + (tokens != PLACEHOLDER_TOKEN_ID).sum(1)  # [N]
+        rows, lengths = parts  # [N] each
+        width = verdicts.shape[1]  # ≤ the room held: the most rows a sequence had this step
+        cols = lengths[:, None] + torch.arange(width, device=verdicts.device)  # [N, W]
+        contexts.buffer.view(-1).index_copy_(0, (rows[:, None] * contexts.width + cols).flatten(), verdicts.flatten())
+        lengths = lengths + (verdicts != PLACEHOLDER_TOKEN_ID).sum(1)  # [N]
         span = max(self.lengths) + width
         drafts, counts = ngram_propose(contexts.buffer[:, :span].index_select(0, rows), lengths,
                                        self.proposer.min_n, self.proposer.max_n, k)
@@ -141,7 +139,7 @@ class NgramProposer(Proposer):
             return None
         seqs = [item.seq for item in deciding]
         room = 1 + max(item.num_draft for item in deciding)
-        self.pending = NgramAhead(self, seqs, self.contexts.hold(seqs, [[] for _ in seqs], room), room)
+        self.pending = NgramAhead(self, seqs, self.contexts.hold(seqs, [[] for _ in seqs], room))
         return self.pending
 
     def finished(self, seq: Sequence) -> None:
