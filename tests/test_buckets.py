@@ -1,5 +1,6 @@
 """Batch buckets (runtime/engine/buckets.py): the bucket sizes; a bucketed engine gives the unpadded
-engine's greedy and seeded outputs token for token, a draft model's single-token steps bucketed too;
+engine's greedy and seeded outputs token for token, a draft model's single-token steps and an MTP
+head's drafting steps bucketed too;
 and a 1-layer bucketed verify step's forward
 compiles with ``torch.compile(fullgraph=True)`` — static shapes, no host sync, no data-dependent
 Python (a graph break fails it) — to what eager computes. The CUDA capture of the same forward is
@@ -66,6 +67,25 @@ def test_a_draft_models_single_token_steps_are_bucketed_and_change_nothing(sharp
     assert run_all(engine, prompts, params) == want
     assert (8, 1) in shapes  # 5 sequences' single-token draft steps, padded to bucket 8
     assert engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_an_mtp_heads_drafting_steps_are_bucketed_and_change_nothing(sharp_target, sharp_mtp_dir, make_engine,
+                                                                     run_all):
+    """The head's first draft step and its chain steps (one row a sequence) padded to the target's
+    buckets: 5 drafting sequences run as 8."""
+    model, tok = sharp_target
+    spec = {"method": "mtp", "mtp_path": sharp_mtp_dir, "num_speculative_tokens": 3}
+    prompts = repeating_prompts(model.config.vocab_size, 5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = run_all(make_engine(model, tok, spec=spec), prompts, params)
+    engine = make_engine(model, tok, spec=spec, buckets=True)
+    heads, shapes = engine.proposer, []
+    padded_module = heads._padded_module
+    heads._padded_module = lambda m, x, embeds, batch: shapes.append(
+        (x.shape[0], embeds.shape[0], batch.uniform_query_len)) or padded_module(m, x, embeds, batch)
+    assert run_all(engine, prompts, params) == want
+    assert (5, 8, 1) in shapes  # 5 sequences' drafting steps, padded to bucket 8, one row each
+    assert all(padded in (1, 2, 4, 8) for real, padded, q in shapes if q == 1)
 
 
 def test_a_bucketed_verify_step_compiles_as_one_graph_to_what_eager_computes(sharp, make_engine):

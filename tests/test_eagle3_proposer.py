@@ -187,8 +187,12 @@ def test_greedy_equals_no_spec_under_chunked_prefill_preemption_prefix_caching_b
     target, heads, prompts, nospec, make_engine, assert_greedy_match, drafts_at_preemption
 ):
     """A 6-token step budget (prompts in chunks), a pool too small for all (preemption of sequences
-    with drafts verified), a shared prefix cached, verify steps padded to batch buckets, n = 2."""
+    with drafts verified), a shared prefix cached, verify steps and the head's drafting steps padded
+    to batch buckets, n = 2."""
     engine = make_engine(*target, spec=eagle3(heads["echo"]), budget=6, num_blocks=14, block_size=4, buckets=True)
+    shapes, padded_module = [], engine.proposer._padded_module
+    engine.proposer._padded_module = lambda m, x, embeds, batch: shapes.append(
+        (x.shape[0], embeds.shape[0], batch.uniform_query_len)) or padded_module(m, x, embeds, batch)
     drafted_before_preemption = drafts_at_preemption(engine)
     params = replace(GREEDY, n=2)
     shared = prompts + [prompts[0] + prompts[1]]
@@ -204,6 +208,8 @@ def test_greedy_equals_no_spec_under_chunked_prefill_preemption_prefix_caching_b
             assert_greedy_match(target[0], prompt, expected, out[(str(i), j)])
     assert engine.scheduler.num_preemptions > 0 and any(n > 0 for n in drafted_before_preemption)
     assert acceptance(engine)[0] > 0
+    drafting = [(real, rows) for real, rows, q in shapes if q == 1]  # one row a sequence
+    assert drafting and all(rows in engine.runner.buckets and rows >= real for real, rows in drafting)
 
 
 def test_the_aux_states_come_from_the_verify_forward(target, heads, prompts, make_engine, run_all):

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.runtime.engine.model_runner import Span, build_attention_batch
+from specdecode.runtime.engine.buckets import bucket_for
+from specdecode.runtime.engine.model_runner import Span, attention_lists
+from specdecode.runtime.engine.transfer import upload
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence
 from specdecode.runtime.models.attention import AttentionBatch
@@ -77,6 +79,9 @@ class HeadProposer(Proposer):
         self.block_carry = torch.zeros(num_blocks, num_modules, hidden_size, dtype=self.dtype, device=self.device)
         self.states: dict[int, _State] = {}
         self.vocab_ids = vocab_ids  # [N] target ids of the draft rows; None: the whole vocabulary
+        # the target's batch buckets, set where the proposer is built: drafting steps (one row a
+        # sequence) are padded to them as the target's decode steps are (``_batch``)
+        self.buckets: list[int] | None = None
 
     # -- what a head is -----------------------------------------------------------------------------
 
@@ -142,9 +147,8 @@ class HeadProposer(Proposer):
         m = j % self.num_modules
         others = [i for i in range(1, j) if i % self.num_modules != m]
         spans = [Span(s.block_table, len(s) - 1 + j, 1, tuple(len(s) - 1 + i for i in others)) for s in seqs]
-        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
-        embeds = self._embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
-        return self._module(m, self._chain_input(prev), embeds, batch)  # [B, H]
+        batch, tokens = self._batch(spans, tokens)
+        return self._padded_module(m, self._chain_input(prev), self._embed(tokens), batch)  # [B, H]
 
     # -- following the target -----------------------------------------------------------------------
 
@@ -192,9 +196,9 @@ class HeadProposer(Proposer):
         Module 0's input at slot q is the carry at q = start, else source[source_rows]; module m ≥ 1's
         is the carry at q = start, else module m − 1's output at q − 1."""
         spans = [Span(job.seq.block_table, job.start, job.end - job.start) for job in jobs]
-        batch = build_attention_batch(spans, self.block_size, self.null_block, self.device)
         tokens = [t for job in jobs for t in job.seq.token_ids[job.start : job.end]]
-        embeds = self._embed(torch.tensor(tokens, dtype=torch.long, device=self.device))  # [T', H]
+        batch, token_ids = self._batch(spans, tokens)
+        embeds = self._embed(token_ids)  # [T_pad, H]
         carries = torch.stack([job.state.carry for job in jobs])  # [J, L, H]
         firsts = [0]
         for job in jobs:
@@ -208,7 +212,7 @@ class HeadProposer(Proposer):
         for m in range(self.num_modules):
             prior = torch.cat([source, carries[:, 0]]) if m == 0 else torch.cat([outs[-1], carries[:, m]])
             inputs.append(prior.index_select(0, source_index if m == 0 else shift_index))  # [T', H] in_m
-            outs.append(self._module(m, inputs[-1], embeds, batch))  # [T', H] out_m
+            outs.append(self._padded_module(m, inputs[-1], embeds, batch))  # [T', H] out_m
         ends = [out.index_select(0, lasts) for out in outs]  # [J, H] per module
         inputs_by_slot = torch.stack(inputs, dim=1)  # [T', L, H]
         for n, job in enumerate(jobs):
@@ -224,6 +228,29 @@ class HeadProposer(Proposer):
                 state.carry[0] = source[job.next_source_row]
                 self._keep_block_carry(job.seq, job.end, state.carry)
         return ends
+
+    def _batch(self, spans: list[Span], tokens: list[int]) -> tuple[AttentionBatch, torch.Tensor]:
+        """The spans' attention batch and their tokens [T_pad] on the device, in one upload. One row a
+        span (a drafting step) with batch buckets: padded to the bucket with spans of one row at
+        position 0 over the null block (their K/V goes there, no real row reads it), so the step has
+        the bucket's shapes, as the target's bucketed decode steps do."""
+        one_row = all(span.count == 1 for span in spans)
+        if self.buckets is not None and one_row and len(spans) <= self.buckets[-1]:
+            padding = bucket_for(len(spans), self.buckets) - len(spans)
+            spans = spans + [Span([self.null_block], 0, 1)] * padding
+            tokens = tokens + [0] * padding
+        lists = attention_lists(spans, self.block_size, self.null_block)
+        if self.buckets is not None and one_row:
+            lists.uniform_query_len = 1
+        token_ids, *parts = upload([tokens, *lists.parts], self.device)
+        return lists.batch(parts), token_ids
+
+    def _padded_module(self, m: int, inputs: torch.Tensor, embeds: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """``_module`` over inputs [T, H] padded with zero rows to the batch's, embeds [T_pad, H] → [T, H]."""
+        rows = inputs.shape[0]
+        if embeds.shape[0] > rows:
+            inputs = torch.nn.functional.pad(inputs, (0, 0, 0, embeds.shape[0] - rows))
+        return self._module(m, inputs, embeds, batch)[:rows]
 
     def _keep_block_carry(self, seq: Sequence, slot: int, inputs: torch.Tensor) -> None:
         """``inputs`` [L, H] = in_ℓ(slot); kept with the block that ends right before ``slot``."""
