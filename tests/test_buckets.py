@@ -53,18 +53,27 @@ def test_a_bucketed_engine_gives_the_unpadded_outputs(sharp, make_engine, run_al
             assert any(q > 1 for _, q in shapes) == (spec is not None)
 
 
-def test_a_draft_models_single_token_steps_are_bucketed_and_change_nothing(sharp_target, sharp_draft_dir,
-                                                                           make_engine, run_all):
+def drafting_shapes(sharp_target, make_engine, run_all, spec: dict, watch) -> tuple[list, object]:
+    """5 repeating greedy prompts with and without batch buckets, their outputs asserted equal: what
+    ``watch(engine, shapes)`` recorded of the bucketed engine's drafting steps, and that engine."""
     model, tok = sharp_target
-    spec = {"method": "draft", "draft_model": sharp_draft_dir, "num_speculative_tokens": 3}
     prompts = repeating_prompts(model.config.vocab_size, 5)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = run_all(make_engine(model, tok, spec=spec), prompts, params)
-    engine = make_engine(model, tok, spec=spec, buckets=True)
-    draft_runner, shapes = engine.proposer.runner, []
-    run = draft_runner.run
-    draft_runner.run = lambda step: shapes.append(step.bucket) or run(step)
+    engine, shapes = make_engine(model, tok, spec=spec, buckets=True), []
+    watch(engine.proposer, shapes)
     assert run_all(engine, prompts, params) == want
+    return shapes, engine
+
+
+def test_a_draft_models_single_token_steps_are_bucketed_and_change_nothing(sharp_target, sharp_draft_dir,
+                                                                           make_engine, run_all):
+    def watch(proposer, shapes):
+        run = proposer.runner.run
+        proposer.runner.run = lambda step: shapes.append(step.bucket) or run(step)
+
+    spec = {"method": "draft", "draft_model": sharp_draft_dir, "num_speculative_tokens": 3}
+    shapes, engine = drafting_shapes(sharp_target, make_engine, run_all, spec, watch)
     assert (8, 1) in shapes  # 5 sequences' single-token draft steps, padded to bucket 8
     assert engine.stats().spec_decode_num_accepted_tokens > 0
 
@@ -73,17 +82,13 @@ def test_an_mtp_heads_drafting_steps_are_bucketed_and_change_nothing(sharp_targe
                                                                      run_all):
     """The head's first draft step and its chain steps (one row a sequence) padded to the target's
     buckets: 5 drafting sequences run as 8."""
-    model, tok = sharp_target
+    def watch(heads, shapes):
+        padded_module = heads._padded_module
+        heads._padded_module = lambda m, x, embeds, batch: shapes.append(
+            (x.shape[0], embeds.shape[0], batch.uniform_query_len)) or padded_module(m, x, embeds, batch)
+
     spec = {"method": "mtp", "mtp_path": sharp_mtp_dir, "num_speculative_tokens": 3}
-    prompts = repeating_prompts(model.config.vocab_size, 5)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = run_all(make_engine(model, tok, spec=spec), prompts, params)
-    engine = make_engine(model, tok, spec=spec, buckets=True)
-    heads, shapes = engine.proposer, []
-    padded_module = heads._padded_module
-    heads._padded_module = lambda m, x, embeds, batch: shapes.append(
-        (x.shape[0], embeds.shape[0], batch.uniform_query_len)) or padded_module(m, x, embeds, batch)
-    assert run_all(engine, prompts, params) == want
+    shapes, _ = drafting_shapes(sharp_target, make_engine, run_all, spec, watch)
     assert (5, 8, 1) in shapes  # 5 sequences' drafting steps, padded to bucket 8, one row each
     assert all(padded in (1, 2, 4, 8) for real, padded, q in shapes if q == 1)
 
