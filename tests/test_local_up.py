@@ -208,6 +208,10 @@ def test_an_invalid_file_is_refused_with_admissions_message_and_starts_nothing(t
     ("model", {"uri": "pvc://models/smollm2"}, "spec.model.uri: pvc://models/smollm2"),
     ("parallelism", {"pipeline": 2}, "spec.parallelism: TP1×PP2 spans pods"),
     ("image", "ghcr.io/other/runtime:1", "spec.image: ghcr.io/other/runtime:1"),
+    ("speculative", {"method": "mtp", "numSpeculativeTokens": 1, "mtpPath": "pvc://heads/smollm2"},
+     "spec.speculative.mtpPath: pvc://heads/smollm2"),
+    ("speculative", {"method": "eagle3", "numSpeculativeTokens": 1, "eagle3Path": "hf://org/head"},
+     "spec.speculative.eagle3Path: hf://org/head"),
 ])
 def test_what_this_machine_cannot_run_is_refused_naming_the_field(tmp_path: Path, field: str, value: Any,
                                                                    why: str) -> None:

@@ -35,6 +35,7 @@ from specdecode.operator.loop import Carried, converge
 from specdecode.operator.resolve import Resolved, admit, duration_seconds
 from specdecode.operator.failures import RUNTIME_REFUSED
 from specdecode.operator.rollout import COMMAND_ANNOTATIONS, Command
+from specdecode.operator.sources import heads
 from specdecode.operator.spec import ConditionType, EquivalenceState, ModelScheme, SpecDecodeDeploymentStatus
 
 log = logging.getLogger("specdecode.up")
@@ -55,6 +56,9 @@ def local_refusals(r: Resolved) -> list[str]:
     spec, out = r.spec, []
     if spec.model.location.scheme not in (ModelScheme.ALIAS, ModelScheme.FILE):
         out.append(f"spec.model.uri: {spec.model.uri}: `up` runs packaged aliases and file:// models only")
+    head = heads(spec.speculative)
+    if head is not None and head[0].scheme is not ModelScheme.FILE:
+        out.append(f"{head[1].field}: {head[1].uri(spec.speculative)}: `up` reads file:// heads only")
     if not spec.image.startswith(f"{RUNTIME_IMAGE}:"):
         out.append(f"spec.image: {spec.image}: `up` runs the installed runtime ({RUNTIME_IMAGE}:…) only")
     if not r.layout.single_pod:
