@@ -47,25 +47,25 @@ class VerifyStrategy(str, Enum):
 
 MTP_PIPELINE_GATE = "mtp-pipeline-parallel"
 KNOWN_GATES = frozenset({MTP_PIPELINE_GATE})
+# heads drafting from the target's own states: under pipeline parallelism they sit on the last stage
+HEAD_METHODS = (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3)
 
 
 def mtp_pipeline_gate_refusal(method: str, pipeline_parallel_size: int, gates: Iterable[str]) -> str | None:
-    """The one rule for heads on the target's hidden states under pipeline parallelism (the runtime,
-    ``specdecode validate`` and the admission webhook all say this): MTP is experimental, so it needs
-    the gate; EAGLE-3 is not there yet (its aux states come from layers on several stages). None = allowed."""
-    if method == SpeculativeMethod.EAGLE3.value and pipeline_parallel_size > 1:
-        return (f"method 'eagle3' does not run with pipeline parallelism yet (size {pipeline_parallel_size}): its head "
-                "fuses hidden states of layers on several stages; use one pipeline stage")
-    if method == SpeculativeMethod.MTP.value and pipeline_parallel_size > 1 and MTP_PIPELINE_GATE not in set(gates):
-        return (f"method 'mtp' with pipeline parallelism (size {pipeline_parallel_size}) is experimental: add the gate "
-                f"'{MTP_PIPELINE_GATE}' to the speculative config's gates (spec.gates of a SpecDecodeDeployment) or "
-                "use one pipeline stage")
+    """The one rule for heads on the target's states under pipeline parallelism (the runtime,
+    ``specdecode validate`` and the admission webhook all say this): MTP and EAGLE-3 heads on the
+    last stage are experimental, so either needs the gate. None = allowed."""
+    if (method in {m.value for m in HEAD_METHODS} and pipeline_parallel_size > 1
+            and MTP_PIPELINE_GATE not in set(gates)):
+        return (f"method '{method}' with pipeline parallelism (size {pipeline_parallel_size}) is experimental: add "
+                f"the gate '{MTP_PIPELINE_GATE}' to the speculative config's gates (spec.gates of a "
+                "SpecDecodeDeployment) or use one pipeline stage")
     return None
 
 
-MTP_PIPELINE_WARNING = (f"method 'mtp' with pipeline parallelism is EXPERIMENTAL (gate '{MTP_PIPELINE_GATE}'): the "
-                        "heads run on the last stage, which sends their drafts to the scheduler with each step's "
-                        "verdicts")
+MTP_PIPELINE_WARNING = (f"heads (method 'mtp' or 'eagle3') with pipeline parallelism are EXPERIMENTAL (gate "
+                        f"'{MTP_PIPELINE_GATE}'): the heads run on the last stage, which sends their drafts to the "
+                        "scheduler with each step's verdicts")
 
 
 class BatchSizeRule(Shared):
@@ -343,9 +343,6 @@ class EngineConfig(Frozen):
                                             self.speculative.gates)
         if refusal:
             raise ValueError(refusal)
-        if self.speculative.method is SpeculativeMethod.EAGLE3 and self.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"method 'eagle3' does not run with tensor parallelism yet (size "
-                             f"{self.parallel.tensor_parallel_size}): use one rank, or method 'mtp'")
         return self
 
     @model_validator(mode="after")

@@ -36,7 +36,7 @@ class InProcessTransport(PipelineTransport):
         self.broken = False
         self._steps: deque[tuple[torch.Tensor, AttentionBatch]] = deque()  # launched, not yet run by the others
         self._plans: deque[bytes] = deque()
-        self._hidden: dict[int, deque[torch.Tensor]] = {}  # destination rank → hidden states [T, H]
+        self._hidden: dict[int, deque[torch.Tensor]] = {}  # destination rank → hidden (+ aux) states [T, (1 + a)·H]
         self._verdicts: deque[torch.Tensor] = deque()
         self._logprobs: deque[bytes] = deque()
 
@@ -88,8 +88,11 @@ def in_process_pipeline_engine(cfg: EngineConfig) -> tuple[LLMEngine, InProcessT
         loaded = load_model(cfg.load, TensorParallel(0, 1), rank_stage(cfg, rank))
         runner = ModelRunner(loaded.model, _num_blocks(cfg), cfg.cache.block_size, loaded.device, loaded.dtype)
         transport.workers.append(stage_worker(cfg, rank, loaded, runner, transport))
+    aux_layers = transport.workers[-1].tail.aux_layers  # the verifier's head's, as the group's store hands them out
+    for worker in transport.workers:
+        worker.runner.aux_layers = aux_layers
     first = load_model(cfg.load, TensorParallel(0, 1), rank_stage(cfg, 0))
-    return pipeline_engine(cfg, first, transport), transport
+    return pipeline_engine(cfg, first, transport, aux_layers), transport
 
 
 def _num_blocks(cfg: EngineConfig) -> int:

@@ -355,8 +355,6 @@ def test_refusals(heads):
     with pytest.raises(ValueError, match="only used by method 'eagle3'"):
         SpeculativeConfig(method="mtp", eagle3_path=heads["echo"])
     spec = SpeculativeConfig(**eagle3(heads["echo"]))
-    assert "pipeline parallelism" in mtp_pipeline_gate_refusal("eagle3", 2, ["mtp-pipeline-parallel"])
-    with pytest.raises(ValueError, match="pipeline parallelism"):
+    assert mtp_pipeline_gate_refusal("eagle3", 2, ["mtp-pipeline-parallel"]) is None  # PP behind MTP's gate
+    with pytest.raises(ValueError, match="gate 'mtp-pipeline-parallel'"):
         EngineConfig(speculative=spec, parallel=ParallelConfig(pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(speculative=spec, parallel=ParallelConfig(tensor_parallel_size=2))

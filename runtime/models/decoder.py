@@ -178,11 +178,11 @@ class DecoderLM(nn.Module):
         inputs: torch.Tensor,  # as ``forward``'s
         kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
         batch: AttentionBatch,
-        aux_layers: tuple[int, ...],  # global layer ids of this stage, ascending
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [T, hidden] as ``forward``'s, aux [T, len(aux_layers)·hidden]
-        """``forward``, and the residual streams entering the layers ``aux_layers`` (id 0: the
-        embedding's output, id i: layer i − 1's output, before any norm) side by side: what an
-        EAGLE-3 head fuses, taken from this same pass (an empty [T, 0] without ids)."""
+        aux_layers: tuple[int, ...],  # global layer ids, ascending (any stage's)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden [T, hidden] as ``forward``'s, aux [T, A·hidden]
+        """``forward``, and the residual streams entering the A layers of ``aux_layers`` this stage
+        runs (id 0: the embedding's output, id i: layer i − 1's output, before any norm) side by side:
+        what an EAGLE-3 head fuses, taken from this same pass (an empty [T, 0] without such ids)."""
         x = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
         entering = []
         for i, layer, kv_pool in zip(self.stage.layers(self.config.num_layers), self.model.layers, kv_pools):

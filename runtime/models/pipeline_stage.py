@@ -23,7 +23,7 @@ class PipelineStage:
 
     rank: int = 0
     size: int = 1
-    embedding_on_last: bool = False  # the last stage keeps a copy of the embedding (MTP heads embed their inputs)
+    embedding_on_last: bool = False  # the last stage keeps a copy of the embedding (its heads embed their inputs)
 
     @property
     def is_first(self) -> bool:
@@ -44,6 +44,12 @@ class PipelineStage:
         base, extra = divmod(num_layers, self.size)
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
+
+    def aux_handed_in(self, aux_layers: tuple[int, ...], num_layers: int) -> int:
+        """How many of the residual streams entering ``aux_layers`` (global ids) the stages before
+        this one hand it: those entering their layers."""
+        first = self.layers(num_layers).start
+        return sum(i < first for i in aux_layers)
 
     def holds_embedding(self, cfg: ModelConfig) -> bool:
         return self.is_first or (self.is_last and (cfg.tie_word_embeddings or self.embedding_on_last))

@@ -19,9 +19,14 @@ restarted leader on its own next start.
   connection ends the wait at once);
 - with pipeline stages, a gloo *link* group of rank 0 and the verifier rank (the last stage's
   first): what the verifier needs to know of the step's sequences, and the verdicts' logprobs.
+
+With pipeline stages and an EAGLE-3 head, the verifier rank loads the head after the groups form,
+then publishes its aux layers in the store; every stage's first tensor rank waits for them there
+(as long as for a rank's loading) before its first step: they say which residual streams it hands on.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -37,6 +42,7 @@ from specdecode.runtime.models.tensor_parallel import set_tensor_group
 
 IDLE_WAIT = timedelta(days=365)  # how long a worker waits for rank 0's next step
 FORMED_KEY = "formed"  # set by rank 0 once every rank has loaded: a rank arriving later is a restarted one
+AUX_LAYERS_KEY = "aux-layers"  # set by the verifier rank once its EAGLE-3 head is loaded (``publish_aux_layers``)
 _POLL_S = 0.05
 
 
@@ -114,18 +120,40 @@ def _wait_for_every_rank(
         raise RuntimeError("the group at this rendezvous has formed already, without this rank: this rank "
                            "started again while its leader still runs; it can join once the leader has started again")
     store.set(_loaded_key(rank), "1")
-    keys = [_loaded_key(r) for r in range(cfg.world_size)]
+
+    def timed_out() -> str:
+        missing = [r for r in range(cfg.world_size) if not store.check([_loaded_key(r)])]
+        return f"ranks {missing} did not load their part of the model within {cfg.rendezvous_timeout_s:.0f}s"
+
+    _wait_for(store, [_loaded_key(r) for r in range(cfg.world_size)], cfg, peers_alive, "the group formed", timed_out)
+    if rank == 0:
+        store.set(FORMED_KEY, "1")
+
+
+def publish_aux_layers(store: dist.TCPStore, aux_layers: tuple[int, ...]) -> None:
+    """The verifier rank's word to the stages: the layers whose entering residual streams its head
+    fuses (``Proposer.aux_layer_ids``), known once it has loaded the head."""
+    store.set(AUX_LAYERS_KEY, json.dumps(list(aux_layers)))
+
+
+def await_aux_layers(store: dist.TCPStore, cfg: ParallelConfig,
+                     peers_alive: Callable[[], bool] = lambda: True) -> tuple[int, ...]:
+    """The aux layers the verifier rank published (``publish_aux_layers``), waited for as a rank's loading is."""
+    timed_out = f"the verifier rank {cfg.verifier_rank} did not load its head within {cfg.rendezvous_timeout_s:.0f}s"
+    _wait_for(store, [AUX_LAYERS_KEY], cfg, peers_alive, "the verifier rank loaded its head", lambda: timed_out)
+    return tuple(json.loads(store.get(AUX_LAYERS_KEY)))
+
+
+def _wait_for(store: dist.TCPStore, keys: list[str], cfg: ParallelConfig, peers_alive: Callable[[], bool],
+              awaited: str, timed_out: Callable[[], str]) -> None:
+    """Until every key is in the store: at most ``rendezvous_timeout_s``, and while this pod's workers live."""
     deadline = time.monotonic() + cfg.rendezvous_timeout_s
     while not store.check(keys):
         if not peers_alive():
-            raise RuntimeError("a worker process of this pod exited before the group formed")
+            raise RuntimeError(f"a worker process of this pod exited before {awaited}")
         if time.monotonic() > deadline:
-            missing = [r for r in range(cfg.world_size) if not store.check([_loaded_key(r)])]
-            raise TimeoutError(f"ranks {missing} did not load their part of the model within "
-                               f"{cfg.rendezvous_timeout_s:.0f}s")
+            raise TimeoutError(timed_out())
         time.sleep(_POLL_S)
-    if rank == 0:
-        store.set(FORMED_KEY, "1")
 
 
 def _loaded_key(rank: int) -> str:

@@ -3,9 +3,12 @@
 ``start_leader_engine`` hosts the rendezvous store, spawns this pod's other ranks, loads rank
 0's part while they load theirs, forms the group and returns an ``LLMEngine`` that sends every
 step through the ``StepChannel``. Tensor parallelism only: the scheduler, the proposer (a draft
-model stays whole, on rank 0) and the verifier run here. With pipeline stages rank 0 holds the
+model or a head stays whole, on rank 0, a head drafting from the replicated states of rank 0's
+forward) and the verifier run here. With pipeline stages rank 0 holds the
 first stage and the engine's steps go through ``PipelineExecution``: the last stage verifies,
-and the draft model or MTP heads sit there (``pipeline``). Every other rank's heartbeat is watched (``heartbeat``) once the server starts.
+and the draft model or the MTP or EAGLE-3 heads sit there (``pipeline``); with an EAGLE-3 head
+rank 0 waits for its aux layers (``group.await_aux_layers``) before its first step. Every other
+rank's heartbeat is watched (``heartbeat``) once the server starts.
 """
 from __future__ import annotations
 
@@ -14,15 +17,15 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from specdecode.runtime.config import MTP_PIPELINE_WARNING, EngineConfig, ParallelConfig, SpeculativeMethod
+from specdecode.runtime.config import HEAD_METHODS, MTP_PIPELINE_WARNING, EngineConfig, ParallelConfig
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.model_runner import ModelRunner
 from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
-from specdecode.runtime.parallel.group import bind_device, host_store, join_group, store_client
+from specdecode.runtime.parallel.group import await_aux_layers, bind_device, host_store, join_group, store_client
 from specdecode.runtime.parallel.heartbeat import GroupWatch
 from specdecode.runtime.parallel.step_channel import StepChannel
-from specdecode.runtime.parallel.pipeline import PipelineExecution, RelayedDrafts, proposes_on_verifier
+from specdecode.runtime.parallel.pipeline import PipelineExecution, RelayedDrafts, hands_on_aux, proposes_on_verifier
 from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
 from specdecode.runtime.parallel.workers import LocalWorkers, rank_stage
 
@@ -90,7 +93,9 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
             engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
                                leader.channel)
         else:
-            engine = pipeline_engine(cfg, loaded, GlooTransport(groups.link, par.verifier_rank, leader.channel))
+            aux_layers = await_aux_layers(store, par, lambda: leader.workers.alive) if hands_on_aux(cfg, 0) else ()
+            engine = pipeline_engine(cfg, loaded, GlooTransport(groups.link, par.verifier_rank, leader.channel),
+                                     aux_layers)
     except BaseException:
         leader.shutdown()
         raise
@@ -99,18 +104,20 @@ def start_leader_engine(cfg: EngineConfig) -> tuple[LLMEngine, str, Leader]:
     return engine, loaded.name, leader
 
 
-def pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, transport: PipelineTransport) -> LLMEngine:
+def pipeline_engine(cfg: EngineConfig, loaded: LoadedModel, transport: PipelineTransport,
+                    aux_layers: tuple[int, ...] = ()) -> LLMEngine:
     """Rank 0's engine over pipeline stages reached through ``transport``: its steps go through
-    ``PipelineExecution``; a draft model or MTP heads on the verifier relay their drafts."""
+    ``PipelineExecution``; a draft model or heads on the verifier relay their drafts; ``aux_layers``:
+    an EAGLE-3 head's, whose entering residual streams rank 0's stage sends on (``hands_on_aux``)."""
     spec = cfg.speculative
-    if spec.method is SpeculativeMethod.MTP:
+    if spec.method in HEAD_METHODS:
         log.warning(MTP_PIPELINE_WARNING)
     relayed = RelayedDrafts() if proposes_on_verifier(spec.method) else None
 
     def execution(runner: ModelRunner) -> PipelineExecution:
         k = spec.max_drafts  # forced drafts alone with method 'none' and grammar_drafts
-        slots_ahead = k if spec.method is SpeculativeMethod.MTP else 0  # the heads write K/V as they draft
-        return PipelineExecution(runner, transport, cfg.parallel, k, relayed, slots_ahead)
+        slots_ahead = k if spec.method in HEAD_METHODS else 0  # the heads write K/V as they draft
+        return PipelineExecution(runner, transport, cfg.parallel, k, relayed, slots_ahead, aux_layers)
 
     return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.max_model_len, loaded.device, loaded.dtype,
                      proposer=relayed, execution=execution)

@@ -16,10 +16,15 @@ A step (``PipelineExecution.launch``):
    masks, which only rank 0 can compute: the grammar states live with its sequences; sequences
    gone or preempted since);
 3. stage s runs its layers on the hidden states stage s − 1 sent (rank (s, t) → (s+1, t)) and
-   sends its own on; the first stage starts from the token ids;
+   sends its own on; the first stage starts from the token ids. With an EAGLE-3 head on the
+   verifier, the ranks of tensor rank 0 (the chain that ends at the verifier) send with them, in one
+   message ``[T, (1 + a)·H]``, the a residual streams entering the head's aux layers that ran so far
+   (``hands_on_aux``): each stage appends those entering its own layers to what it was handed, so the
+   last stage has all of them in layer order; a stage before the first aux layer sends its hidden
+   states alone, as without a head;
 4. the verifier verifies and sends rank 0 one int32 tensor (``VerdictMessage``): per deciding
    sequence the emitted tokens ``[R, W]`` (W = most drafts + 1 ≤ K + 1, padded with −1), the
-   accepted and emitted counts ``[2, R]``, and — with the draft model or MTP on the verifier —
+   accepted and emitted counts ``[2, R]``, and — with the draft model or a head on the verifier —
    the next step's drafts ``[R, K]`` (−1 padded). Logprobs follow on the link group only when a
    request asked for them.
 
@@ -31,7 +36,7 @@ and the positions and slots of the next step are derived from it, then broadcast
 a count of its own, so none can drift after a rejection. The verifier keeps a mirror of each
 sequence (tokens, count, block table) updated from the plans and its own verdicts; its proposer
 runs on those. With grammar-aware drafting a constrained mirror holds its own copy of the grammar,
-compiled from the request and advanced through the same verdicts, so the draft model or MTP heads
+compiled from the request and advanced through the same verdicts, so the draft model or the heads
 draft the forced tokens first and draw under the mask as they do in one process (the masks that
 verification applies still come from rank 0).
 """
@@ -44,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.runtime.config import EngineConfig, ParallelConfig, SpeculativeMethod
+from specdecode.runtime.config import HEAD_METHODS, EngineConfig, ParallelConfig, SpeculativeMethod
 from specdecode.runtime.engine.execution import Execution, Pending, StepResult
 from specdecode.runtime.engine.grammar import GrammarCompiler
 from specdecode.runtime.engine.llm_engine import draft_cap
@@ -93,9 +98,21 @@ class StepTrace:
 
 
 def proposes_on_verifier(method: SpeculativeMethod) -> bool:
-    """Draft models and MTP heads sit on the last stage (they read its hidden states or need its
+    """Draft models, MTP and EAGLE-3 heads sit on the last stage (they read its states or need its
     LM head); n-gram and suffix run where the scheduler runs."""
-    return method in (SpeculativeMethod.DRAFT, SpeculativeMethod.MTP)
+    return method is SpeculativeMethod.DRAFT or method in HEAD_METHODS
+
+
+def hands_on_aux(cfg: EngineConfig, rank: int) -> bool:
+    """Whether global ``rank`` sends the EAGLE-3 head's aux states on with its hidden states: the first
+    tensor rank of each stage, whose chain of sends ends at the verifier (the others' would be copies)."""
+    return cfg.speculative.method is SpeculativeMethod.EAGLE3 and cfg.parallel.tp_rank_of(rank) == 0
+
+
+def handed_on(hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """What a stage sends the next: hidden [T, H] beside the aux states so far [T, a·H] → [T, (1 + a)·H]
+    (the hidden states themselves when a = 0)."""
+    return torch.cat([hidden, aux], dim=-1) if aux.shape[-1] else hidden
 
 
 # -- what rank 0 tells the verifier -----------------------------------------------------------
@@ -222,8 +239,11 @@ class PipelineExecution(Execution):
     stage's forward, the hidden states on; the pending result = the verifier's message."""
 
     def __init__(self, runner: ModelRunner, transport: PipelineTransport, par: ParallelConfig,
-                 num_speculative_tokens: int, relayed: RelayedDrafts | None, draft_slots_ahead: int = 0):
+                 num_speculative_tokens: int, relayed: RelayedDrafts | None, draft_slots_ahead: int = 0,
+                 aux_layers: tuple[int, ...] = ()):
+        """``aux_layers``: the verifier's head's (``hands_on_aux``), whose entering streams this stage sends on."""
         self.runner = runner
+        runner.aux_layers = aux_layers
         self.draft_slots_ahead = draft_slots_ahead
         self.transport = transport
         self.par = par
@@ -288,8 +308,8 @@ class PipelineExecution(Execution):
 
     def _first_stage(self, plan: TailPlan, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         self.transport.send_plan(plan)
-        hidden = self.runner.forward(input_ids, batch)
-        self.transport.send_hidden(hidden, self.par.tensor_parallel_size)
+        hidden, aux = self.runner.forward_aux(input_ids, batch)
+        self.transport.send_hidden(handed_on(hidden, aux), self.par.tensor_parallel_size)
         return hidden
 
     def _plan(self, scheduled: list[ScheduledSeq], rows: list[SamplerRow]) -> TailPlan:
@@ -347,17 +367,27 @@ class StageWorker:
     def run(self, input_ids: torch.Tensor, batch: AttentionBatch) -> None:
         plan = self.tail.receive_plan() if self.tail is not None else None
         if self.stage.is_first:
-            inputs = input_ids
+            inputs, handed = input_ids, None
         else:
-            inputs = self.transport.receive_hidden(
-                torch.empty(input_ids.numel(), self.runner.model.config.hidden_size, dtype=self.runner.dtype,
-                            device=self.runner.device), self.rank - self.tp)
-        hidden = self.runner.forward(inputs, batch)
+            inputs, handed = self._receive(input_ids.numel())
+        hidden, aux = self.runner.forward_aux(inputs, batch)  # aux: [T, A·H] of this stage's aux layers
+        if handed is not None:
+            aux = torch.cat([handed, aux], dim=-1)
         if not self.stage.is_last:
-            self.transport.send_hidden(hidden, self.rank + self.tp)
+            self.transport.send_hidden(handed_on(hidden, aux), self.rank + self.tp)
         elif self.tail is not None:
-            self.tail.verify(plan, hidden)
+            self.tail.verify(plan, hidden, aux)
         self.trace.ran(batch)
+
+    def _receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's hidden states [T, H] and the a aux states it handed on [T, a·H]."""
+        size = self.runner.model.config.hidden_size
+        a = self.stage.aux_handed_in(self.runner.aux_layers, self.runner.model.config.num_layers)
+        states = self.transport.receive_hidden(
+            torch.empty(num_tokens, (1 + a) * size, dtype=self.runner.dtype, device=self.runner.device),
+            self.rank - self.tp)
+        hidden, handed = states.split([size, a * size], dim=-1)
+        return hidden.contiguous(), handed
 
 
 class PipelineTail:
@@ -385,10 +415,16 @@ class PipelineTail:
         self.seqs: dict[int, Sequence] = {}
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → the distributions its relayed drafts came from
 
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The layers whose entering residual streams the proposer drafts from (an EAGLE-3 head's)."""
+        return self.proposer.aux_layer_ids if self.proposer is not None else ()
+
     def receive_plan(self) -> TailPlan:
         return self.transport.receive_plan()
 
-    def verify(self, plan: TailPlan, hidden: torch.Tensor) -> None:
+    def verify(self, plan: TailPlan, hidden: torch.Tensor, aux: torch.Tensor) -> None:
+        """hidden [T, H] pre-norm, the last stage's; aux [T, A·H] the streams entering ``aux_layers``."""
         scheduled = self._mirror(plan)
         deciding = [item for item in scheduled if item.samples]
         masks = [it.allowed for it, item in zip(plan.items, scheduled) if item.samples]
@@ -407,7 +443,7 @@ class PipelineTail:
             item.seq.token_ids += verdict.token_ids
             item.seq.num_computed_tokens += verdict.num_accepted
             self._advance_grammar(item.seq, verdict.token_ids)
-        drafts = self._next_drafts(scheduled, hidden, [item.seq for item in deciding])
+        drafts = self._next_drafts(scheduled, aux if self.aux_layers else hidden, [item.seq for item in deciding])
         message = VerdictMessage([v.token_ids for v in verdicts], [v.num_accepted for v in verdicts], drafts)
         width = max((item.num_draft for item in deciding), default=0) + 1
         self.transport.send_verdict(message.encode(width, self.k if self.proposer is not None else 0, self.device))
@@ -455,11 +491,13 @@ class PipelineTail:
             if not seq.grammar.advance(token):
                 seq.grammar = None
 
-    def _next_drafts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, deciding: list[Sequence]) -> list[list[int]]:
-        """The proposer's drafts for the step after this one, for every sequence that decided."""
+    def _next_drafts(self, scheduled: list[ScheduledSeq], observed: torch.Tensor,
+                     deciding: list[Sequence]) -> list[list[int]]:
+        """The proposer's drafts for the step after this one, for every sequence that decided;
+        ``observed``: what it follows the target by (``Proposer.observe``)."""
         if self.proposer is None:
             return [[] for _ in deciding]
-        self.proposer.observe(scheduled, hidden)
+        self.proposer.observe(scheduled, observed)
         caps = [draft_cap(seq, self.k, self.max_model_len) for seq in deciding]
         asked = [i for i, cap in enumerate(caps) if cap > 0]
         drafts: list[list[int]] = [[] for _ in deciding]

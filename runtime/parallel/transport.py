@@ -5,7 +5,8 @@ A step moves five kinds of message (``pipeline`` says what each holds):
 - the step's inputs, rank 0 → every rank (``run_step``; the other ranks receive them in their
   loop, ``StepChannel.receive``);
 - the ``TailPlan``, rank 0 → the verifier rank (``send_plan`` / ``receive_plan``);
-- hidden states, each stage's rank (s, t) → (s + 1, t) (``send_hidden`` / ``receive_hidden``);
+- hidden states, each stage's rank (s, t) → (s + 1, t) (``send_hidden`` / ``receive_hidden``), with
+  an EAGLE-3 head's aux states beside them in the same message (``pipeline.handed_on``);
 - the verdict message, verifier → rank 0 (``send_verdict`` / ``receive_verdict``);
 - the verdicts' logprobs, verifier → rank 0, only when a request asked (``send_logprobs`` /
   ``receive_logprobs``).
@@ -54,11 +55,12 @@ class PipelineTransport:
     # -- every rank -----------------------------------------------------------------------------
 
     def send_hidden(self, hidden: torch.Tensor, dst: int) -> None:
-        """hidden [T, H] to global rank ``dst`` (the next stage's rank of the same tensor rank)."""
+        """hidden [T, (1 + a)·H] (a aux states beside the hidden states) to global rank ``dst`` (the next
+        stage's rank of the same tensor rank)."""
         raise NotImplementedError
 
     def receive_hidden(self, out: torch.Tensor, src: int) -> torch.Tensor:
-        """Fill ``out`` [T, H] with what global rank ``src`` sent; returns ``out``."""
+        """Fill ``out`` [T, (1 + a)·H] with what global rank ``src`` sent; returns ``out``."""
         raise NotImplementedError
 
     # -- the verifier rank ----------------------------------------------------------------------

@@ -22,14 +22,16 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from specdecode.runtime.config import EngineConfig, SpeculativeMethod
+from specdecode.runtime.config import HEAD_METHODS, EngineConfig
 from specdecode.runtime.engine.model_runner import ModelRunner, num_kv_blocks
 from specdecode.runtime.models.loader import LoadedModel, load_model
 from specdecode.runtime.models.pipeline_stage import PipelineStage
 from specdecode.runtime.models.tensor_parallel import TensorParallel
-from specdecode.runtime.parallel.group import bind_device, connect_store, join_group, store_client
+from specdecode.runtime.parallel.group import (
+    await_aux_layers, bind_device, connect_store, join_group, publish_aux_layers, store_client,
+)
 from specdecode.runtime.parallel.heartbeat import start_beating
-from specdecode.runtime.parallel.pipeline import PipelineTail, StageWorker
+from specdecode.runtime.parallel.pipeline import PipelineTail, StageWorker, hands_on_aux
 from specdecode.runtime.parallel.step_channel import StepChannel
 from specdecode.runtime.parallel.transport import GlooTransport, PipelineTransport
 
@@ -65,7 +67,12 @@ def worker_main(spec: WorkerSpec, joined: Connection) -> None:
     channel = StepChannel(groups.control, loaded.device)
     run = runner.forward
     if par.pipeline_parallel_size > 1:
-        run = stage_worker(cfg, spec.rank, loaded, runner, GlooTransport(groups.link, par.verifier_rank)).run
+        worker = stage_worker(cfg, spec.rank, loaded, runner, GlooTransport(groups.link, par.verifier_rank))
+        if hands_on_aux(cfg, spec.rank):
+            if worker.tail is not None:
+                publish_aux_layers(store, worker.tail.aux_layers)
+            runner.aux_layers = await_aux_layers(store, par)
+        run = worker.run
     joined.send(spec.rank)
     log.info("joined the group (%d ranks: %d stages × %d); layers %s; %d KV blocks", par.world_size,
              par.pipeline_parallel_size, par.tensor_parallel_size, list(stage.layers(loaded.config.num_layers)),
@@ -91,10 +98,10 @@ def stage_worker(cfg: EngineConfig, rank: int, loaded: LoadedModel, runner: Mode
 
 
 def rank_stage(cfg: EngineConfig, rank: int) -> PipelineStage:
-    """The pipeline stage a global rank runs (the last keeps an embedding copy for MTP heads)."""
+    """The pipeline stage a global rank runs (the last keeps an embedding copy for MTP and EAGLE-3 heads)."""
     par = cfg.parallel
     return PipelineStage(par.stage_of(rank), par.pipeline_parallel_size,
-                         embedding_on_last=cfg.speculative.method is SpeculativeMethod.MTP)
+                         embedding_on_last=cfg.speculative.method in HEAD_METHODS)
 
 
 class LocalWorkers:
