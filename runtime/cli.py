@@ -267,6 +267,18 @@ def _run_train_mtp(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_train_eagle3(parser: argparse.ArgumentParser) -> None:
+    from specdecode.runtime.training.command import add_eagle3_arguments
+
+    add_eagle3_arguments(parser)
+
+
+def _run_train_eagle3(args: argparse.Namespace) -> int:
+    from specdecode.runtime.training.command import run_eagle3
+
+    return run_eagle3(args)
+
+
 def _local(name: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
     """The arguments and the run of one of ``specdecode up``'s family (operator/local/command.py)."""
     def add(parser: argparse.ArgumentParser) -> None:
@@ -301,6 +313,8 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("bench", "benchmark against Hugging Face transformers (table, JSON, plot)", _add_bench, _run_bench),
     Subcommand("train-mtp", "train MTP head(s) for a model that has none, then measure their acceptance",
                _add_train_mtp, _run_train_mtp),
+    Subcommand("train-eagle3", "train an EAGLE-3 head for a model that has none, then measure its acceptance",
+               _add_train_eagle3, _run_train_eagle3),
     Subcommand("bench-kernels", "time each Triton kernel against its torch reference (table, JSON, plot)",
                _add_bench_kernels, _run_bench_kernels),
     Subcommand("bench-step", "time the engine's decode/verify steps against a baseline checkout (table, JSON, plot)",

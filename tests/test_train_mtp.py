@@ -60,33 +60,44 @@ def test_a_trained_head_beats_a_random_head_on_heldout_position_one_by_at_least_
     head, report = trained
     loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
     random_head = write_random_mtp_head(loaded.model, tmp_path / "random")
-    chats = prompts.load_prompts(str(prompt_files[1]), 16)
-    cfg = EngineConfig(load=LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
-    baseline = command._evaluate(loaded.model, loaded.tokenizer, cfg, tmp_path / "random", chats, k=2, max_tokens=32)
+    check_beats_random_on_position_one(loaded.model, loaded.tokenizer, str(tiny_hf_model_dir), prompt_files[1], report,
+                                       {"method": "mtp", "mtp_path": random_head})
+    assert set(report["timings"]) == {"generate_s", "train_s", "evaluate_s", "total_s"}
+
+
+def check_beats_random_on_position_one(model, tokenizer, model_dir: str, heldout, report: dict, random_spec: dict):
+    """The trained head's held-out position-1 acceptance (``report``) is ≥ 0.3 above the random head's."""
+    chats = prompts.load_prompts(str(heldout), 16)
+    cfg = EngineConfig(load=LoadConfig(model=model_dir, weight_cache_dir=None))
+    baseline = command._evaluate(model, tokenizer, cfg, random_spec, chats, k=2, max_tokens=32)
     trained_pos1 = report["heldout"]["per_position_acceptance"][0]
     random_pos1 = baseline["per_position_acceptance"][0]
     assert report["heldout"]["drafts"] > 100 and baseline["drafts"] > 100
     assert trained_pos1 - random_pos1 >= 0.3, (trained_pos1, random_pos1)
     assert report["heldout"]["mean_acceptance_length"] > 1 + trained_pos1 - 1e-9  # position 2 counted too
-    assert set(report["timings"]) == {"generate_s", "train_s", "evaluate_s", "total_s"} and random_head
 
 
 @pytest.mark.parametrize("verify", ["greedy", "target_match", "rejection"])
 def test_with_a_trained_head_greedy_equals_no_spec_and_at_least_half_the_drafts_are_accepted(
     verify, trained, tiny, prompt_files, make_engine, run_all, assert_greedy_match
 ):
-    model, tokenizer = tiny
-    texts = json.loads(prompt_files[1].read_text())[:8]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "mtp_path": str(trained[0]), "verify": verify}
+    stats = check_heldout_greedy_equals_no_spec(*tiny, prompt_files[1], spec, make_engine, run_all, assert_greedy_match)
+    assert stats.spec_decode_num_accepted_tokens >= 0.5 * stats.spec_decode_num_draft_tokens > 0
+
+
+def check_heldout_greedy_equals_no_spec(model, tokenizer, heldout, spec: dict, make_engine, run_all,
+                                        assert_greedy_match):
+    """Greedy decoding of 8 held-out prompts with ``spec`` equals no-spec; the engine's stats."""
+    texts = json.loads(heldout.read_text())[:8]
     batch = [command._chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]  # mixed lengths
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     expected = run_all(make_engine(model, tokenizer), batch, params)
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "mtp_path": str(trained[0]), "verify": verify}
     engine = make_engine(model, tokenizer, spec=spec)
     actual = run_all(engine, batch, params)
     for prompt, e, a in zip(batch, expected, actual):
         assert_greedy_match(model, prompt, e, a)
-    stats = engine.stats()
-    assert stats.spec_decode_num_accepted_tokens >= 0.5 * stats.spec_decode_num_draft_tokens > 0
+    return engine.stats()
 
 
 def test_drafts_after_accepted_drafts_equal_the_formula(trained, tiny_hf_model_dir, prompt_files, pre_norm_hidden):

@@ -43,6 +43,8 @@ K/V; slots past the accepted ones are never read again before they are rewritten
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
@@ -125,10 +127,15 @@ class Eagle3MidLayer(nn.Module):
         pool: KVPool,
         batch: AttentionBatch,
     ) -> torch.Tensor:  # [T, H] the residual stream after the block
+        return self.run(hidden, embeds, lambda x: self.self_attn(x, rope, pool, batch))
+
+    def run(self, hidden: torch.Tensor, embeds: torch.Tensor,
+            attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # [T, H], [T, H] → [T, H]
+        """The block around any attention [T, 2H] → [T, H] (paged here; dense with its own mask when training)."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, rope, pool, batch), residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(attention(x), residual)
         return residual + self.mlp(h)
 
 

@@ -21,6 +21,10 @@ read with ``weights_only``). Anything else — another ``speculators_model_type`
 llama's, speculators' ``norm_before_fc`` / ``fc_norm`` (norms this head does not have), a missing
 config key or tensor, an unknown tensor, shapes or sizes that do not fit the target — is refused
 with a ValueError naming what is missing or wrong.
+
+``save_eagle3_head`` writes a head in speculators' format (its config as speculators 0.9.0 writes
+it, ``norm_before_residual`` and the aux layer ids spelled out), without the embedding when the
+head uses the target's: what ``specdecode train-eagle3`` writes.
 """
 from __future__ import annotations
 
@@ -31,11 +35,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from specdecode.runtime.models.decoder import DecoderLM, load_hf_weights
 from specdecode.runtime.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from specdecode.runtime.models.hf_loader import is_hf_folder, safetensors_files
 from specdecode.runtime.models.model_config import ModelConfig
+from specdecode.runtime.models.mtp_checkpoint import unfused
 from specdecode.runtime.models.tensor_parallel import TensorParallel
 
 BIN_FILE = "pytorch_model.bin"
@@ -233,3 +239,43 @@ def _load_d2t(folder: Path, head: Eagle3Head, d2t: torch.Tensor) -> None:
     ids = head.target_ids()
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ValueError(f"{folder}: d2t maps draft ids outside the target's vocabulary 0..{vocab - 1}")
+
+
+def save_eagle3_head(folder: str | Path, head: Eagle3Head, num_speculative_tokens: int) -> None:
+    """``head`` in speculators' format: ``model.safetensors`` (q/k/v and gate/up split, ``d2t`` and
+    ``t2d`` when the draft vocabulary is reduced) and ``config.json``, proposing
+    ``num_speculative_tokens`` by default."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in head.state_dict().items():
+        if name != "d2t":
+            tensors |= unfused(name, tensor, c)
+    if c.draft_vocab_size < c.vocab_size:
+        tensors["d2t"] = head.d2t
+        tensors["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, head.target_ids().cpu(), True)
+    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(_speculators_config(c, num_speculative_tokens), indent=2),
+                                        encoding="utf-8")
+
+
+def _speculators_config(c: Eagle3Config, num_speculative_tokens: int) -> dict[str, Any]:
+    block = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": c.num_layers,
+             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
+             "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+             "attention_bias": c.attention_bias, "mlp_bias": False, "tie_word_embeddings": False}
+    proposal = {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens, "accept_tolerance": 0.0,
+                "verifier_accept_k": 1}
+    return {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "transformer_layer_config": block, "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": c.norm_before_residual, "norm_output": c.norm_output, "norm_before_fc": False,
+        "fc_norm": False, "embed_requires_grad": False, "tie_word_embeddings": False,
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [proposal],
+                               "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": None}},
+    }

@@ -167,7 +167,7 @@ def save_mtp_head(folder: str | Path, head: MtpHead, target: DecoderLM) -> None:
         k, rest = name.removeprefix("layers.").split(".", 1)
         prefix = f"model.layers.{n + int(k)}."
         rest = {"final_norm.weight": "shared_head.norm.weight"}.get(rest, rest.replace("blocks.0.", ""))
-        tensors |= {prefix + part: t for part, t in _unfused(rest, tensor, c).items()}
+        tensors |= {prefix + part: t for part, t in unfused(rest, tensor, c).items()}
     if head.draft_vocab_ids is not None:
         tensors[DRAFT_VOCAB_KEY] = head.draft_vocab_ids.cpu()
     save_file({k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.contiguous()
@@ -176,8 +176,8 @@ def save_mtp_head(folder: str | Path, head: MtpHead, target: DecoderLM) -> None:
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def _unfused(rest: str, tensor: torch.Tensor, c) -> dict[str, torch.Tensor]:
-    """Our fused q/k/v and gate/up back to the Hugging Face names."""
+def unfused(rest: str, tensor: torch.Tensor, c) -> dict[str, torch.Tensor]:
+    """Our fused q/k/v and gate/up back to the Hugging Face names (``c``: the blocks' head counts and size)."""
     if ".qkv_proj." in rest:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         parts = tensor.split([q, kv, kv])

@@ -1,11 +1,17 @@
-"""``specdecode train-mtp``: train MTP head(s) for a model that has none, then measure them.
+"""``specdecode train-mtp`` and ``specdecode train-eagle3``: train a head for a model that has none,
+then measure it.
 
 Phases, each with its progress bar: generate the model's own continuations of the training
-prompts, recording its hidden states and greedy next tokens along them; train; write the head
-(DeepSeek-V3-named safetensors + config.json, ``models/mtp_checkpoint.py``); then evaluate it by
-running the engine with ``method: mtp`` on held-out prompts and print the per-position acceptance
-it measured. The defaults fit 15 minutes on a 2-core CPU for SmolLM2-135M (the README has the
-timings); ``train_report.json`` in the output folder records settings, timings and results.
+prompts, recording what the head reads (MTP: the tapped hidden states; EAGLE-3: the residual
+streams entering its aux layers) and the greedy next tokens along them (``distill.py``); train
+(``trainer.py``, with ``mtp_head.py``'s or ``eagle3_head.py``'s loss); write the head (MTP:
+DeepSeek-V3-named safetensors + config.json, ``models/mtp_checkpoint.py``; EAGLE-3: speculators'
+format, ``models/eagle3_checkpoint.py``); then evaluate it by running the engine with
+``method: mtp`` or ``eagle3`` on held-out prompts and print the per-position acceptance it
+measured. Both share the data, prompts, disjointness rules, draft vocabulary and evaluation; a
+``HeadKind`` holds what differs. The defaults fit 15 minutes on a 2-core CPU for SmolLM2-135M (the
+README has the timings); ``train_report.json`` in the output folder records settings, timings and
+results.
 """
 from __future__ import annotations
 
@@ -14,17 +20,68 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.runtime.serve_flags import add_model_arguments, engine_config
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from specdecode.runtime.models.decoder import DecoderLM
+    from specdecode.runtime.training.distill import Distilled, HiddenRecorder
+    from specdecode.runtime.training.trainer import BatchLoss
+
 TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, epochs=5, num_layers=1, depth=2, seed=0, eval_prompts=16,
                       eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
+EAGLE3_DEFAULTS = TRAIN_DEFAULTS | dict(epochs=5)
+POSITIVE = ("num_prompts", "max_tokens", "epochs", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
+
+
+@dataclass(frozen=True)
+class Trainee:
+    """A fresh head, its loss per batch, and how it is written once trained."""
+
+    head: nn.Module
+    loss: BatchLoss
+    save: Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """What differs between the heads ``train-mtp`` and ``train-eagle3`` train: the recorder of what
+    the head reads, the head and its loss over the draft vocabulary (ranked ids [V'], default size),
+    and the ``--speculative-config`` that serves a head folder."""
+
+    command: str
+    check: Callable[[argparse.Namespace], str | None]  # a bad argument's message, before any work
+    recorder: Callable[[argparse.Namespace, DecoderLM], HiddenRecorder]
+    trainee: Callable[[argparse.Namespace, DecoderLM, Distilled, torch.Tensor, int], Trainee]
+    spec: Callable[[Path], dict[str, str]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train-mtp``'s arguments."""
+    _add_shared(parser, TRAIN_DEFAULTS)
+    parser.add_argument("--num-layers", type=int, default=TRAIN_DEFAULTS["num_layers"],
+                        help="MTP modules L (draft k uses module k mod L) [%(default)s]")
+    parser.add_argument("--hidden-tap", choices=["post_norm", "pre_norm"], default="post_norm",
+                        help="the target hidden state the head reads: after or before its final norm [%(default)s]")
+
+
+def add_eagle3_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train-eagle3``'s arguments."""
+    _add_shared(parser, EAGLE3_DEFAULTS)
+    parser.add_argument("--aux-layer-ids", type=_layer_ids, default=None, metavar="LOW,MID,HIGH",
+                        help="the target layers whose entering residual streams the head fuses [vLLM's and "
+                             "SGLang's default for L layers: 2, L // 2, L - 3]")
+
+
+def _add_shared(parser: argparse.ArgumentParser, d: dict) -> None:
     add_model_arguments(parser)
-    d = TRAIN_DEFAULTS
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to (created)")
     parser.add_argument("--prompts", default="sharegpt-followups",
                         help="training prompts: sharegpt-followups (later user turns of ShareGPT, half with code, "
@@ -34,12 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=d["max_tokens"],
                         help="tokens the model generates per training prompt [%(default)s]")
     parser.add_argument("--epochs", type=int, default=d["epochs"], help="passes over the data [%(default)s]")
-    parser.add_argument("--num-layers", type=int, default=d["num_layers"],
-                        help="MTP modules L (draft k uses module k mod L) [%(default)s]")
     parser.add_argument("--depth", type=int, default=d["depth"],
                         help="draft positions trained per chain (train for the K you will serve) [%(default)s]")
-    parser.add_argument("--hidden-tap", choices=["post_norm", "pre_norm"], default="post_norm",
-                        help="the target hidden state the head reads: after or before its final norm [%(default)s]")
     parser.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate [%(default)s]")
     parser.add_argument("--seed", type=int, default=d["seed"], help="initialisation and shuffling seed [%(default)s]")
     parser.add_argument("--draft-vocab-coverage", type=float, default=d["coverage"],
@@ -53,20 +106,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-k", type=int, default=d["eval_k"], help="K of the held-out run [%(default)s]")
 
 
+def _layer_ids(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
 def run(args: argparse.Namespace) -> int:
+    """``train-mtp``."""
+    return _run(args, MTP)
+
+
+def run_eagle3(args: argparse.Namespace) -> int:
+    """``train-eagle3``."""
+    return _run(args, EAGLE3)
+
+
+def _run(args: argparse.Namespace, kind: HeadKind) -> int:
     import torch
     from tqdm import tqdm
 
-    from specdecode.runtime.models.loader import load_model, served_name
-    from specdecode.runtime.models.mtp import HiddenTap, MtpConfig, TargetFingerprint
-    from specdecode.runtime.models.mtp_checkpoint import save_mtp_head
+    from specdecode.runtime.models.loader import load_model
     from specdecode.runtime.training import distill, prompts, trainer
 
-    positive = ("num_prompts", "max_tokens", "epochs", "num_layers", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
-    bad = [f"--{name.replace('_', '-')}" for name in positive if getattr(args, name) < 1]
-    if bad or not 0 < args.draft_vocab_coverage <= 1:
-        print(f"train-mtp: {', '.join(bad) or '--draft-vocab-coverage'} out of range (counts ≥ 1, coverage in (0, 1])",
-              file=sys.stderr)
+    bad = [f"--{name.replace('_', '-')}" for name in POSITIVE + ("num_layers",) if getattr(args, name, 1) < 1]
+    problem = kind.check(args)
+    if bad or not 0 < args.draft_vocab_coverage <= 1 or problem:
+        print(f"{kind.command}: " + (problem or f"{', '.join(bad) or '--draft-vocab-coverage'} out of range "
+                                     "(counts ≥ 1, coverage in (0, 1])"), file=sys.stderr)
         return 2
     timings: dict[str, float] = {}
     started = time.monotonic()
@@ -76,35 +141,35 @@ def run(args: argparse.Namespace) -> int:
         heldout = prompts.heldout_prompts(args.eval_prompts, args.eval_prompts_file)
         prompts.check_disjoint(chats, heldout)
     except (ValueError, OSError) as exc:
-        print(f"train-mtp: {exc}", file=sys.stderr)
+        print(f"{kind.command}: {exc}", file=sys.stderr)
         return 2
     cfg = engine_config(args)
     loaded = load_model(cfg.load)
     model, tokenizer = loaded.model, loaded.tokenizer
+    try:
+        recorder = kind.recorder(args, model)
+    except ValueError as exc:
+        print(f"{kind.command}: {exc}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
 
     prompt_ids = [_chat_ids(tokenizer, chat) for chat in chats]
-    tap = HiddenTap(args.hidden_tap)
     with tqdm(total=len(prompt_ids), desc="generate", unit="prompt") as bar:
-        data = distill.generate(model, tokenizer, prompt_ids, args.max_tokens, tap, loaded.device, loaded.dtype,
+        data = distill.generate(model, tokenizer, prompt_ids, args.max_tokens, recorder, loaded.device, loaded.dtype,
                                 bar.update)
     timings["generate_s"] = time.monotonic() - started
 
     vocab_ids, default_size = _draft_vocabulary(data, args.draft_vocab_coverage)
-    mtp_cfg = MtpConfig(num_modules=args.num_layers, hidden_tap=tap, draft_vocab_size=default_size,
-                        target=TargetFingerprint.of(model, served_name(args.model)))
-    head = trainer.init_head(model, mtp_cfg, args.seed)
+    trainee = kind.trainee(args, model, data, vocab_ids.to(loaded.device), default_size)
     train_cfg = trainer.TrainConfig(epochs=args.epochs, depth=args.depth, lr=args.lr, seed=args.seed)
-    vocab = trainer.TrainVocabulary.of(vocab_ids.to(loaded.device), model.config.vocab_size)
     with tqdm(total=args.epochs * trainer.num_batches(data, train_cfg), desc="train", unit="step") as bar:
-        losses = trainer.train(head, model, data, train_cfg,
-                               lambda n, loss: (bar.update(n), bar.set_postfix(loss=f"{loss:.3f}")), vocab)
-    head.draft_vocab_ids = vocab_ids
+        losses = trainer.train(trainee.head, data, train_cfg, trainee.loss, loaded.device, loaded.dtype,
+                               lambda n, loss: (bar.update(n), bar.set_postfix(loss=f"{loss:.3f}")))
     out = Path(args.out)
-    save_mtp_head(out, head, model)
+    trainee.save(out)
     timings["train_s"] = time.monotonic() - started - sum(timings.values())
 
-    evaluation = _evaluate(model, tokenizer, cfg, out, heldout, args.eval_k, args.eval_max_tokens)
+    evaluation = _evaluate(model, tokenizer, cfg, kind.spec(out), heldout, args.eval_k, args.eval_max_tokens)
     timings["evaluate_s"] = time.monotonic() - started - sum(timings.values())
     timings["total_s"] = time.monotonic() - started
     report = {"settings": {k: v for k, v in vars(args).items() if k != "run"}, "training_tokens": data.num_tokens,
@@ -112,6 +177,79 @@ def run(args: argparse.Namespace) -> int:
     (out / "train_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     _print_summary(out, data.num_tokens, losses, evaluation, timings, args.eval_k)
     return 0
+
+
+def _mtp_recorder(args: argparse.Namespace, model: DecoderLM) -> HiddenRecorder:
+    from specdecode.runtime.models.mtp import HiddenTap
+    from specdecode.runtime.training.distill import HiddenRecorder
+
+    tap = HiddenTap(args.hidden_tap)
+    return HiddenRecorder(lambda rows: tap.apply(model, rows))  # what MtpHead.tap gives the head at run time
+
+
+def _mtp_trainee(args: argparse.Namespace, model: DecoderLM, data: Distilled, vocab_ids: torch.Tensor,
+                 default_size: int) -> Trainee:
+    """The MTP head saves every training label ranked (``draft_vocab_ids``) and trains over the default share."""
+    from specdecode.runtime.models.loader import served_name
+    from specdecode.runtime.models.mtp import HiddenTap, MtpConfig, TargetFingerprint
+    from specdecode.runtime.models.mtp_checkpoint import save_mtp_head
+    from specdecode.runtime.training import mtp_head
+    from specdecode.runtime.training.trainer import TrainVocabulary
+
+    cfg = MtpConfig(num_modules=args.num_layers, hidden_tap=HiddenTap(args.hidden_tap), draft_vocab_size=default_size,
+                    target=TargetFingerprint.of(model, served_name(args.model)))
+    head = mtp_head.init_head(model, cfg, args.seed)
+    head.draft_vocab_ids = vocab_ids.cpu()
+    vocab = TrainVocabulary.of(vocab_ids, model.config.vocab_size)
+    return Trainee(head, mtp_head.loss_of(head, model, args.depth, vocab), lambda out: save_mtp_head(out, head, model))
+
+
+def _eagle3_check(args: argparse.Namespace) -> str | None:
+    ids = args.aux_layer_ids
+    if ids is not None and (len(ids) != 3 or list(ids) != sorted(set(ids))):
+        return f"--aux-layer-ids {','.join(map(str, ids))}: three distinct target layers, ascending"
+    return None
+
+
+def _eagle3_recorder(args: argparse.Namespace, model: DecoderLM) -> HiddenRecorder:
+    from specdecode.runtime.training.distill import HiddenRecorder
+
+    return HiddenRecorder(lambda rows: rows, _aux_layer_ids(args, model))
+
+
+def _aux_layer_ids(args: argparse.Namespace, model: DecoderLM) -> tuple[int, int, int]:
+    """``--aux-layer-ids``, else vLLM's default (``get_eagle3_aux_hidden_state_layers`` in its llama
+    model: 2, L // 2, L − 3; SGLang's ``set_eagle3_layers_to_capture`` takes the same), each the
+    residual stream entering that layer, as both capture them. ValueError where they do not fit."""
+    from specdecode.runtime.models.eagle3 import default_aux_layer_ids
+
+    n = model.config.num_layers
+    ids = args.aux_layer_ids or default_aux_layer_ids(n)
+    if list(ids) != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < n:
+        raise ValueError(f"aux layers {list(ids)} are not three distinct layers of the target's {n}: "
+                         "give --aux-layer-ids")
+    return ids
+
+
+def _eagle3_trainee(args: argparse.Namespace, model: DecoderLM, data: Distilled, vocab_ids: torch.Tensor,
+                    default_size: int) -> Trainee:
+    """The head's LM head holds the ``default_size`` most frequent training labels, in target id order (``d2t``)."""
+    from specdecode.runtime.models.eagle3_checkpoint import save_eagle3_head
+    from specdecode.runtime.training import eagle3_head
+    from specdecode.runtime.training.trainer import TrainVocabulary
+
+    draft_ids = vocab_ids[:default_size].sort().values
+    cfg = eagle3_head.head_config(model, _aux_layer_ids(args, model), default_size)
+    head = eagle3_head.init_head(model, cfg, draft_ids, args.seed)
+    vocab = TrainVocabulary.of(draft_ids, model.config.vocab_size)
+    return Trainee(head, eagle3_head.loss_of(head, model, args.depth, vocab),
+                   lambda out: save_eagle3_head(out, head, args.eval_k))
+
+
+MTP = HeadKind("train-mtp", lambda args: None, _mtp_recorder, _mtp_trainee,
+               lambda out: {"method": "mtp", "mtp_path": str(out)})
+EAGLE3 = HeadKind("train-eagle3", _eagle3_check, _eagle3_recorder, _eagle3_trainee,
+                  lambda out: {"method": "eagle3", "eagle3_path": str(out)})
 
 
 def _chat_ids(tokenizer, chat) -> list[int]:
@@ -135,16 +273,16 @@ def _draft_vocabulary(data, coverage: float):
     return torch.tensor(ranked, dtype=torch.long), size
 
 
-def _evaluate(model, tokenizer, cfg, head_dir: Path, chats, k: int, max_tokens: int) -> dict:
-    """Greedy decoding of the held-out ``chats`` with the head in ``head_dir`` at K = ``k``: the
-    engine's own acceptance counters."""
+def _evaluate(model, tokenizer, cfg, head: dict[str, str], chats, k: int, max_tokens: int) -> dict:
+    """Greedy decoding of the held-out ``chats`` with the head ``head`` (its method and folder, as
+    ``--speculative-config`` names them) at K = ``k``: the engine's own acceptance counters."""
     from tqdm import tqdm
 
     from specdecode.runtime.config import SpeculativeConfig
     from specdecode.runtime.engine.llm_engine import LLMEngine
     from specdecode.runtime.engine.sequence import SamplingParams
 
-    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=k, mtp_path=str(head_dir), verify="greedy")
+    spec = SpeculativeConfig(**head, num_speculative_tokens=k, verify="greedy")
     engine_cfg = cfg.model_copy(update={"speculative": spec})
     engine = LLMEngine(model, tokenizer, engine_cfg, model.config.max_position_embeddings,
                        model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype)

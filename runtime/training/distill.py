@@ -1,12 +1,15 @@
-"""Self-distillation data: the target's own continuations of prompts, and at every position its
-hidden state (where an MTP head taps it) and its greedy next token (the label a head learns).
+"""Self-distillation data: the target's own continuations of prompts, and at every position what a
+head reads there (the tapped hidden state of an MTP head, the aux states of an EAGLE-3 head) and
+the target's greedy next token (the label a head learns).
 
 The serving engine generates the continuations and a ``HiddenRecorder`` (a proposer that never
 drafts: its requests ask for no speculation) keeps what each step's target forward computed, so
-no second pass over the data is needed. Continuations are greedy, the paths greedy serving takes
-(measured a little better for held-out greedy acceptance than continuations sampled at
-temperature 0.7); labels are the target's argmax at each position, so a head learns what greedy
-verification accepts: the token the step appended at a decode position, the LM head's argmax at
+no second pass over the data is needed: with ``aux_layer_ids`` the forward returns the residual
+streams entering those layers instead of its hidden states, as it does for an EAGLE-3 proposer.
+Continuations are greedy, the paths greedy serving takes (measured a little better for held-out
+greedy acceptance than continuations sampled at temperature 0.7); labels are the target's argmax
+at each position, so a head learns what greedy verification accepts: the token the step appended
+at a decode position, the top prompt logprob (the engine's, asked for with ``prompt_logprobs``) at
 a prompt position.
 """
 from __future__ import annotations
@@ -21,20 +24,20 @@ from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.decoder import DecoderLM
-from specdecode.runtime.models.mtp import HiddenTap
 from specdecode.runtime.proposers import Proposer
 
-LOGIT_ROWS = 512  # rows per LM-head chunk when taking a prompt's argmax
 MAX_RUNNING = 32  # sequences generated at once (batch 32 to 128 measured the same ~120 tokens/s on 2 cores)
+# what a head reads, from what the forward returned at the recorded rows: [n, H] or [n, A·H] → [n, S]
+Source = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class Distilled:
-    """Per sequence: token ids [T], the tapped target hidden states [T, H] and the target's greedy
-    next token at each position [T] (label[q] is what follows token_ids[: q + 1])."""
+    """Per sequence: token ids [T], what the head reads at each position [T, S] (``HiddenRecorder``)
+    and the target's greedy next token at each position [T] (label[q] is what follows token_ids[: q + 1])."""
 
     token_ids: list[torch.Tensor]
-    hidden: list[torch.Tensor]
+    source: list[torch.Tensor]
     labels: list[torch.Tensor]
 
     @property
@@ -44,16 +47,17 @@ class Distilled:
 
 @dataclass
 class _Record:
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [n, H] chunks, in position order
+    source: list[torch.Tensor] = field(default_factory=list)  # [n, S] chunks, in position order
     labels: list[torch.Tensor] = field(default_factory=list)  # [n] chunks
     num_positions: int = 0
 
 
 class HiddenRecorder(Proposer):
-    """Keeps every computed position's tapped hidden state and greedy label, per request."""
+    """Keeps every computed position's ``source`` of what the forward returned (its hidden states, or
+    with ``aux_layer_ids`` the residual streams entering those layers) and greedy label, per request."""
 
-    def __init__(self, target: DecoderLM, tap: HiddenTap):
-        self.target, self.tap = target, tap
+    def __init__(self, source: Source, aux_layer_ids: tuple[int, ...] = ()):
+        self.source, self.aux_layer_ids = source, aux_layer_ids
         self.records: dict[str, _Record] = {}
 
     def propose(self, seqs, max_drafts):
@@ -63,38 +67,42 @@ class HiddenRecorder(Proposer):
     def observe(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         first = 0
         for item in scheduled:
-            rows = hidden[first : first + item.num_tokens]  # [n, H] positions start.. (no drafts)
+            rows = hidden[first : first + item.num_tokens]  # [n, H] or [n, A·H], positions start.. (no drafts)
             first += item.num_tokens
             seq = item.seq
             record = self.records.setdefault(seq.request_id, _Record())
             if item.start != record.num_positions:
                 raise RuntimeError(f"request {seq.request_id} skipped or repeated positions (from {item.start}): "
                                    "record without prefix caching, in a pool that preempts nothing")
-            if item.num_tokens == 1:  # a decode step: the token it appended is the greedy label
-                labels = torch.tensor([seq.token_ids[item.start + 1]], dtype=torch.long)
-            else:  # prompt positions: the target's own argmax
-                labels = torch.cat([self.target.compute_logits(c).argmax(-1).cpu() for c in rows.split(LOGIT_ROWS)])
-            tapped = self.tap.apply(self.target, rows)  # what the head reads at run time (MtpHead.tap)
-            record.hidden.append(tapped.float().cpu())
-            record.labels.append(labels)
+            record.source.append(self.source(rows).float().cpu())
+            record.labels.append(torch.tensor([_greedy_label(seq, p) for p in range(item.start, item.start + item.num_tokens)],
+                                              dtype=torch.long))
             record.num_positions += item.num_tokens
 
 
+def _greedy_label(seq, position: int) -> int:
+    """The target's greedy token after ``position``: the top prompt logprob of the next prompt token
+    inside the prompt, the token the step appended from the prompt's last position on."""
+    if position < seq.num_prompt_tokens - 1:
+        return seq.prompt_logprobs[position].top[0][0]
+    return seq.token_ids[position + 1]
+
+
 def generate(
-    model: DecoderLM, tokenizer, prompts: list[list[int]], max_tokens: int, tap: HiddenTap, device: torch.device,
-    dtype: torch.dtype, progress: Callable[[int], None],
+    model: DecoderLM, tokenizer, prompts: list[list[int]], max_tokens: int, recorder: HiddenRecorder,
+    device: torch.device, dtype: torch.dtype, progress: Callable[[int], None],
 ) -> Distilled:
-    """Greedy continuations of ``prompts`` in one continuous batch, recorded as they are computed:
-    without prefix caching (a cached prefix is not computed) and with a KV pool that holds every
-    running sequence whole (a preempted one would be computed twice)."""
+    """Greedy continuations of ``prompts`` in one continuous batch, recorded by ``recorder`` as they
+    are computed: without prefix caching (a cached prefix is not computed) and with a KV pool that
+    holds every running sequence whole (a preempted one would be computed twice)."""
     longest = max(len(p) for p in prompts) + max_tokens
     cfg = EngineConfig(cache=CacheConfig(num_blocks=MAX_RUNNING * (-(-longest // 16)), enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_seqs=MAX_RUNNING))
-    recorder = HiddenRecorder(model, tap)
     engine = LLMEngine(model, tokenizer, cfg, model.config.max_position_embeddings, device, dtype, proposer=recorder)
     sequences: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=1, num_speculative_tokens=0)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, num_speculative_tokens=0))
+        engine.add_request(str(i), prompt, params)
         sequences[str(i)] = list(prompt)
     while engine.has_unfinished():
         for out in engine.step():
@@ -107,6 +115,6 @@ def generate(
         record = recorder.records[request_id]
         n = record.num_positions  # the last token was never fed back
         data.token_ids.append(torch.tensor(tokens[:n], dtype=torch.long))
-        data.hidden.append(torch.cat(record.hidden))
+        data.source.append(torch.cat(record.source))
         data.labels.append(torch.cat(record.labels))
     return data
