@@ -359,18 +359,30 @@ def tiny_draft_dir(tiny_hf_model_dir, tmp_path_factory):
     return copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("tiny-draft"), noisy)
 
 
-@pytest.fixture(scope="session")
-def sharp_target_dir(tiny_hf_model_dir, tmp_path_factory):
-    """The tiny llama's shape and tokenizer with sharper random weights: greedy continuations that
-    repeat (n-gram and suffix drafts get accepted) and logits far from ties."""
+def write_sharp_target(tiny_dir, dst, num_layers: int = 2, seed: int = 3):
+    """The tiny llama's shape (``num_layers`` deep) and tokenizer with sharper random weights (``seed``
+    picked so that greedy continuations repeat: n-gram and suffix drafts get accepted) and logits far
+    from ties."""
     import json
     from pathlib import Path
 
     from specdecode.runtime.models.model_config import ModelConfig
 
-    cfg = ModelConfig.from_hf(json.loads((tiny_hf_model_dir / "config.json").read_text()))
-    return Path(copy_hf_folder(tiny_hf_model_dir, tmp_path_factory.mktemp("sharp-target"),
-                               random_hf_weights(cfg, seed=3, std=0.3)))
+    hf = json.loads((tiny_dir / "config.json").read_text()) | {"num_hidden_layers": num_layers}
+    return Path(copy_hf_folder(tiny_dir, dst, random_hf_weights(ModelConfig.from_hf(hf), seed=seed, std=0.3),
+                               num_hidden_layers=num_layers))
+
+
+@pytest.fixture(scope="session")
+def sharp_target_dir(tiny_hf_model_dir, tmp_path_factory):
+    """``write_sharp_target``, 2 layers."""
+    return write_sharp_target(tiny_hf_model_dir, tmp_path_factory.mktemp("sharp-target"))
+
+
+@pytest.fixture(scope="session")
+def sharp3_target_dir(tiny_hf_model_dir, tmp_path_factory):
+    """``write_sharp_target``, 3 layers: an EAGLE-3 head's three distinct aux layers fit."""
+    return write_sharp_target(tiny_hf_model_dir, tmp_path_factory.mktemp("sharp3-target"), num_layers=3, seed=20)
 
 
 @pytest.fixture(scope="session")
@@ -383,15 +395,30 @@ def sharp_target(sharp_target_dir):
     return loaded.model, loaded.tokenizer
 
 
-@pytest.fixture(scope="session")
-def sharp_draft_dir(sharp_target_dir, tmp_path_factory) -> str:
-    """The sharp target plus noise: a draft that agrees often, not always."""
+def write_sharp_draft(target_dir, dst) -> str:
+    """A sharp target plus noise: a draft that agrees often, not always."""
     from safetensors.torch import load_file
 
     gen = torch.Generator().manual_seed(1)
-    weights = load_file(str(sharp_target_dir / "model.safetensors"))
+    weights = load_file(str(target_dir / "model.safetensors"))
     noisy = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    return copy_hf_folder(sharp_target_dir, tmp_path_factory.mktemp("sharp-draft"), noisy)
+    return copy_hf_folder(target_dir, dst, noisy)
+
+
+@pytest.fixture(scope="session")
+def sharp_draft_dir(sharp_target_dir, tmp_path_factory) -> str:
+    """``write_sharp_draft`` of the sharp target."""
+    return write_sharp_draft(sharp_target_dir, tmp_path_factory.mktemp("sharp-draft"))
+
+
+@pytest.fixture(scope="session")
+def sharp3_eagle3_dir(sharp3_target_dir, write_random_eagle3_head, tmp_path_factory) -> str:
+    """A random EAGLE-3 head over all three layers of the 3-layer sharp target."""
+    from specdecode.runtime.config import LoadConfig
+    from specdecode.runtime.models.loader import load_model
+
+    target = load_model(LoadConfig(model=str(sharp3_target_dir), weight_cache_dir=None)).model
+    return write_random_eagle3_head(target, tmp_path_factory.mktemp("sharp3-eagle3"), (0, 1, 2))
 
 
 @pytest.fixture(scope="session")
@@ -418,6 +445,34 @@ def write_random_mtp_head():
         if draft_vocab:
             head.draft_vocab_ids = torch.randperm(model.config.vocab_size)
         save_mtp_head(folder, head, model)
+        return str(folder)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def write_random_eagle3_head():
+    """``write(model, folder, aux_layer_ids, seed=0) -> str``: a randomly initialised EAGLE-3 head for
+    ``model`` (as wide, drafting over half its vocabulary) saved as ``train-eagle3`` saves one. Its
+    drafts are mostly rejected."""
+    from specdecode.runtime.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdecode.runtime.models.eagle3_checkpoint import save_eagle3_head
+
+    def write(model, folder, aux_layer_ids: tuple[int, int, int], seed: int = 0) -> str:
+        c = model.config
+        gen = torch.Generator().manual_seed(seed)
+        head = Eagle3Head(Eagle3Config(
+            hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+            draft_vocab_size=c.vocab_size // 2, aux_layer_ids=aux_layer_ids))
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen) if name.endswith("norm.weight")
+                            else 0.15 * torch.randn(param.shape, generator=gen))
+            ids = torch.randperm(c.vocab_size, generator=gen)[: c.vocab_size // 2].sort().values
+            head.d2t.copy_(ids - torch.arange(len(ids)))  # target id = draft id + d2t[draft id]
+        save_eagle3_head(folder, head, num_speculative_tokens=3)
         return str(folder)
 
     return write

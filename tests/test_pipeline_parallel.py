@@ -1,9 +1,12 @@
 """Pipeline parallelism as real process groups (gloo), each under a hard deadline that kills its tree.
 
 - Greedy output of (TP, PP) ∈ {(1, 2), (2, 2)} equals TP = 1, PP = 1 (the in-process engine) for
-  every proposer — none (a per-request cap of 0), n-gram, suffix, a draft model, MTP heads with the
-  gate — with overlap on and off, on a batch of mixed lengths with chunked prefill, drafts rejected
-  and accepted. One spawned driver per layout runs the proposers' groups one after another.
+  every proposer — none (a per-request cap of 0), n-gram, suffix, a draft model, MTP heads and an
+  EAGLE-3 head with the gate — with overlap on and off, on a batch of mixed lengths with chunked
+  prefill, drafts rejected and accepted. One spawned driver per layout runs the proposers' groups
+  one after another. The target has 3 layers (2 on the first stage, 1 on the last), so the EAGLE-3
+  head's aux layers 0, 1 and 2 lie on both stages; its last stage observes the aux states of the
+  whole model's forward (in one process, ``pipeline_harness``).
 - Every stage holds only its layers' parameters and KV pools, and runs the positions and KV slots
   rank 0 derived from the verdicts: after a rejection the next step's positions on every stage
   start where the accepted tokens end (``--trace-steps``).
@@ -11,10 +14,10 @@
 - Prompt logprobs are refused under PP, naming it.
 - Structured outputs: rank 0 sends each constrained row's grammar mask to the last stage, so greedy
   output under a grammar equals TP = 1, PP = 1 for every proposer.
-- Overlap by recorded event order; MTP × PP warns once with the gate; a killed rank brings every
-  rank down with a non-zero exit, rank 0's /health answering 503 first; so does a failure on rank 0
-  between a step's launch and the reading of its verdicts, within 15 s; a taken rendezvous port
-  fails at once.
+- Overlap by recorded event order; each head (MTP, EAGLE-3) × PP warns once with the gate and is
+  refused without it; a killed rank brings every rank down with a non-zero exit, rank 0's /health
+  answering 503 first; so does a failure on rank 0 between a step's launch and the reading of its
+  verdicts, within 15 s; a taken rendezvous port fails at once.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from local_process import descendants, free_port, is_worker, kill_group, run_gro
 from pydantic import ValidationError
 
 from specdecode.runtime.config import (
+    HEAD_METHODS,
     MTP_PIPELINE_WARNING,
     CacheConfig,
     EngineConfig,
@@ -42,7 +46,11 @@ from specdecode.runtime.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from specdecode.runtime.engine.model_runner import ModelRunner, Span, build_attention_batch
 from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.models.loader import load_model
+
+from conftest import write_sharp_draft
 
 K = 3
 PP2 = ("--pipeline-parallel-size", "2")
@@ -113,13 +121,14 @@ DRIVER = textwrap.dedent("""
 """).replace("{grammar!r}", repr(GRAMMAR))
 
 
-def _specs(draft_dir: str, mtp_dir: str) -> list[dict]:
+def _specs(draft_dir: str, mtp_dir: str, eagle3_dir: str) -> list[dict]:
     base = {"num_speculative_tokens": K, "verify": "greedy"}
     return [
         {**base, "method": "ngram"},
         {**base, "method": "suffix", "verify": "target_match"},
         {**base, "method": "draft", "draft_model": draft_dir, "verify": "rejection"},
         {**base, "method": "mtp", "mtp_path": mtp_dir, "gates": ["mtp-pipeline-parallel"]},
+        {**base, "method": "eagle3", "eagle3_path": eagle3_dir, "gates": ["mtp-pipeline-parallel"]},
     ]
 
 
@@ -135,23 +144,29 @@ def _config(model: Path, spec: dict, tp: int, pp: int, trace: Path | None = None
 
 
 @pytest.fixture(scope="module")
-def target_dir(sharp_target_dir) -> Path:
-    return sharp_target_dir
+def target_dir(sharp3_target_dir) -> Path:
+    return sharp3_target_dir
 
 
 @pytest.fixture(scope="module")
-def target(sharp_target):
-    return sharp_target
+def target(target_dir):
+    loaded = load_model(LoadConfig(model=str(target_dir), weight_cache_dir=None))
+    return loaded.model, loaded.tokenizer
 
 
 @pytest.fixture(scope="module")
-def draft_dir(sharp_draft_dir) -> str:
-    return sharp_draft_dir
+def draft_dir(target_dir, tmp_path_factory) -> str:
+    return write_sharp_draft(target_dir, tmp_path_factory.mktemp("sharp3-draft"))
 
 
 @pytest.fixture(scope="module")
-def mtp_dir(sharp_mtp_dir) -> str:
-    return sharp_mtp_dir
+def mtp_dir(target, write_random_mtp_head, tmp_path_factory) -> str:
+    return write_random_mtp_head(target[0], tmp_path_factory.mktemp("sharp3-mtp"))
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(sharp3_eagle3_dir) -> str:
+    return sharp3_eagle3_dir
 
 
 @pytest.fixture(scope="module")
@@ -198,13 +213,13 @@ def _run_layout(tp: int, pp: int, model: Path, specs: list[dict], prompts, tmp: 
 
 
 @pytest.fixture(scope="module")
-def layouts(target_dir, draft_dir, mtp_dir, prompts, tmp_path_factory) -> dict[tuple[int, int], dict]:
+def layouts(target_dir, draft_dir, mtp_dir, eagle3_dir, prompts, tmp_path_factory) -> dict[tuple[int, int], dict]:
     """(TP, PP) → the driver's results and stderr; traces under ``tmp/trace-<method>``."""
     out = {}
     for tp, pp in ((1, 2), (2, 2)):
         tmp = tmp_path_factory.mktemp(f"tp{tp}pp{pp}")
-        out[(tp, pp)] = {**_run_layout(tp, pp, target_dir, _specs(draft_dir, mtp_dir), prompts, tmp, 240),
-                         "dir": tmp}
+        specs = _specs(draft_dir, mtp_dir, eagle3_dir)
+        out[(tp, pp)] = {**_run_layout(tp, pp, target_dir, specs, prompts, tmp, 240), "dir": tmp}
     return out
 
 
@@ -216,7 +231,7 @@ def test_greedy_output_equals_tp1_pp1_for_every_proposer_with_overlap_on_and_off
     layout, layouts, target, prompts, expected, assert_greedy_match
 ):
     results = layouts[layout]["results"]
-    assert sorted(results) == ["draft", "mtp", "ngram", "suffix"]
+    assert sorted(results) == ["draft", "eagle3", "mtp", "ngram", "suffix"]
     for method, result in results.items():
         for overlap, run in result["runs"].items():
             for name in ("plain", "spec"):  # plain = proposer "none" (cap 0)
@@ -234,7 +249,7 @@ def test_seeded_sampling_with_target_match_equals_tp1_pp1_no_spec_exactly(layout
     """The verifier's mirrors carry each request's seed, positions and output tokens (the presence
     penalty reads them): seeded target_match (what ``greedy`` means for sampled requests) emits
     exactly the no-spec tokens (rejection sampling, the draft group, is lossless in distribution only)."""
-    for method in ("ngram", "suffix", "mtp"):
+    for method in ("ngram", "suffix", "mtp", "eagle3"):
         for overlap, run in layouts[layout]["results"][method]["runs"].items():
             assert run["outputs"]["sampled"] == expected_sampled, (method, overlap)
 
@@ -251,7 +266,7 @@ def expected_grammar(target, prompts, make_engine) -> list[list[int]]:
 @pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
 def test_greedy_output_under_a_grammar_equals_tp1_pp1(layout, layouts, expected, expected_grammar):
     """The last stage verifies with the masks rank 0 computed from its grammar states (its own mirrors
-    of the grammars only guide the draft model's and MTP heads' drafts)."""
+    of the grammars only guide the draft model's and the heads' drafts)."""
     assert all(want != free for want, free in zip(expected_grammar, expected))  # the grammar changes every output
     for method, result in layouts[layout]["results"].items():
         for overlap, run in result["runs"].items():
@@ -269,7 +284,8 @@ def test_prompt_logprobs_are_refused_naming_pipeline_parallelism(layout, layouts
 @pytest.mark.parametrize("proposer", ["ngram", "suffix"])
 def test_tp1_pp1_reference_matches_with_overlap_on_and_off(proposer, target, prompts, expected, make_engine,
                                                            assert_greedy_match):
-    """The (1, 1) corner of the matrix, in process (draft and MTP at PP = 1: test_draft_proposer, test_mtp)."""
+    """The (1, 1) corner of the matrix, in process (draft, MTP and EAGLE-3 at PP = 1: test_draft_proposer,
+    test_mtp, test_eagle3_proposer)."""
     for overlap in (True, False):
         engine = make_engine(*target, budget=BUDGET, overlap=overlap,
                              spec={"method": proposer, "num_speculative_tokens": K, "verify": "greedy"})
@@ -289,17 +305,20 @@ def _trace(directory: Path) -> dict[int, list[dict]]:
 @pytest.mark.parametrize("layout", [(1, 2), (2, 2)], ids=["TP1xPP2", "TP2xPP2"])
 def test_each_rank_holds_only_its_stage_weights_and_kv(layout, layouts):
     tp, pp = layout
-    for method in ("ngram", "mtp"):
+    for method in ("ngram", "mtp", "eagle3"):
         trace = _trace(layouts[layout]["dir"] / f"trace-{method}")
         assert sorted(trace) == list(range(tp * pp))
         for rank, records in trace.items():
             holds = records[0]
             assert holds["kind"] == "holds" and holds["stage"] == rank // tp
             params = set(holds["params"])
-            assert holds["kv_layers"] == 1 and holds["layers"] == [rank // tp]  # 2 layers over 2 stages
-            assert {p.split(".")[2] for p in params if p.startswith("model.layers.")} == {"0"}  # local numbering
+            layers = [[0, 1], [2]][rank // tp]  # 3 layers over 2 stages
+            assert holds["kv_layers"] == len(layers) and holds["layers"] == layers
+            local = {p.split(".")[2] for p in params if p.startswith("model.layers.")}
+            assert local == {str(i) for i in range(len(layers))}  # local numbering
             first, last = rank // tp == 0, rank // tp == pp - 1
-            assert ("model.embed_tokens.weight" in params) == (first or (last and method == "mtp")), (rank, method)
+            heads = method in ("mtp", "eagle3")  # they embed their inputs on the last stage
+            assert ("model.embed_tokens.weight" in params) == (first or (last and heads)), (rank, method)
             assert ("lm_head.weight" in params) == last and ("model.norm.weight" in params) == last
 
 
@@ -336,6 +355,31 @@ def test_the_verdict_message_stays_within_its_byte_budget(layout, layouts):
         stats = result["stats"]
         assert 0 < stats["verdict_bytes"] <= stats["verdict_budget_bytes"], (method, stats)
         assert stats["steps"] > 0 and stats["waiting_s"] > 0
+
+
+def test_the_last_stage_observes_the_aux_states_of_the_whole_models_forward(target_dir, target, eagle3_dir, prompts):
+    """Two stages in one process (``pipeline_harness``): stage 0 runs layers 0 and 1 and hands the
+    streams entering them on with its hidden states, stage 1 appends the one entering layer 2; the
+    EAGLE-3 head on stage 1 observes, for a prompt's prefill, exactly the whole model's aux states."""
+    from pipeline_harness import in_process_pipeline_engine
+
+    spec = {"method": "eagle3", "eagle3_path": eagle3_dir, "num_speculative_tokens": K,
+            "gates": ["mtp-pipeline-parallel"]}
+    engine, transport = in_process_pipeline_engine(_config(target_dir, spec, 1, 2))
+    proposer = transport.workers[-1].tail.proposer
+    observed, observe = [], proposer.observe
+    proposer.observe = lambda scheduled, states: (observed.append(states.clone()), observe(scheduled, states))
+    engine.add_request("0", prompts[2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    whole = ModelRunner(target[0], num_blocks=4, block_size=8, device=torch.device("cpu"), dtype=torch.float32)
+    whole.aux_layers = proposer.aux_layer_ids
+    first = observed[0].shape[0]  # the first chunk of the prompt (the step budget is BUDGET tokens)
+    batch = build_attention_batch([Span([0, 1, 2, 3], 0, first)], 8, 4, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = whole.forward_aux(torch.tensor(prompts[2][:first]), batch)[1]  # [T, 3·hidden]
+    assert proposer.aux_layer_ids == (0, 1, 2) and first == BUDGET
+    torch.testing.assert_close(observed[0], expected, rtol=0, atol=0)
 
 
 # -- overlap ------------------------------------------------------------------------------------
@@ -376,13 +420,18 @@ def _check_event_order(events: list[list], overlap: bool) -> None:
 # -- the gate -----------------------------------------------------------------------------------
 
 
-def test_mtp_under_pipeline_parallelism_warns_once_with_the_gate(layouts):
-    assert layouts[(1, 2)]["stderr"].count(MTP_PIPELINE_WARNING) == 1
+def test_each_head_under_pipeline_parallelism_warns_once_with_the_gate(layouts):
+    """One warning per group of a head method (MTP's, then EAGLE-3's), none for the other proposers."""
+    assert layouts[(1, 2)]["stderr"].count(MTP_PIPELINE_WARNING) == len(HEAD_METHODS)
 
 
-def test_mtp_under_pipeline_parallelism_is_refused_without_the_gate(target_dir, mtp_dir):
-    with pytest.raises(ValidationError, match="gate 'mtp-pipeline-parallel'"):
-        _config(target_dir, {"method": "mtp", "mtp_path": mtp_dir}, 1, 2)
+@pytest.mark.parametrize("method, path", [("mtp", "mtp_path"), ("eagle3", "eagle3_path")])
+def test_a_head_under_pipeline_parallelism_is_refused_without_the_gate_and_allowed_with_it(method, path, target_dir,
+                                                                                          mtp_dir, eagle3_dir):
+    head = {"mtp_path": mtp_dir, "eagle3_path": eagle3_dir}[path]
+    with pytest.raises(ValidationError, match=f"method '{method}' .* gate 'mtp-pipeline-parallel'"):
+        _config(target_dir, {"method": method, path: head}, 1, 2)
+    assert _config(target_dir, {"method": method, path: head, "gates": ["mtp-pipeline-parallel"]}, 1, 2)
 
 
 # -- faults -------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tensor parallelism: greedy output equal to TP=1 (tiny llama at TP=2, SmolLM2 at TP=3, with and
-without n-gram speculation), config and flag validation, the operator's rendered arguments parsed
-by the runtime's own parser, and ``serve --tensor-parallel-size 2`` as a real process tree.
+without n-gram speculation, with MTP and EAGLE-3 heads on rank 0), config and flag validation, the
+operator's rendered arguments parsed by the runtime's own parser, and ``serve
+--tensor-parallel-size 2`` as a real process tree.
 
 Every multi-process run is a subprocess in its own session with a hard deadline: on any failure
 the whole process group (rank 0 and the workers it spawned) is killed.
@@ -28,6 +29,7 @@ from specdecode.operator.render import render
 from specdecode.operator.resolve import resolve
 from specdecode.runtime.cli import build_parser
 from specdecode.runtime.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SpeculativeConfig
+from specdecode.runtime.engine.model_runner import ModelRunner, Span, build_attention_batch
 from specdecode.runtime.engine.sequence import SamplingParams
 from specdecode.runtime.models.loader import load_model
 from specdecode.runtime.models.tensor_parallel import TensorParallel
@@ -37,21 +39,22 @@ from specdecode.runtime.serve_flags import engine_config
 
 MAX_TOKENS = 16
 TP2, PP2 = ("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")
-# Rank 0 in a subprocess: one engine with speculation (n-gram, or MTP heads) runs every prompt twice
-# in one batch, once with speculation capped to 0 for the request (plain decoding) and once with it
-# on; prints the token ids and the speculation counters as JSON.
+# Rank 0 in a subprocess: per config, one group; in it, an engine with speculation (n-gram, or
+# heads) runs every prompt twice in one batch, once with speculation capped to 0 for the request
+# (plain decoding) and once with it on; prints per config the token ids, the speculation counters
+# and, for a head on aux states, the ones it observed after the first step (the prompts' prefill).
 DRIVER = textwrap.dedent("""
     import json, sys
     from specdecode.runtime.config import EngineConfig
     from specdecode.runtime.engine.async_engine import AsyncEngine
     from specdecode.runtime.engine.sequence import SamplingParams
 
-    cfg = EngineConfig.model_validate_json(sys.argv[1])
-    prompts = json.loads(sys.argv[2])
-    async_engine = AsyncEngine.from_config(cfg)
-    engine = async_engine.engine
-    try:
-        out = {}
+    def run(engine, prompts):
+        out, observed = {}, []
+        if engine.proposer is not None and engine.proposer.aux_layer_ids:
+            observe = engine.proposer.observe
+            engine.proposer.observe = lambda scheduled, states: (
+                observed.append(states.tolist()) if not observed else None, observe(scheduled, states))
         for name, k in (("plain", 0), ("spec", None)):
             params = SamplingParams(max_tokens=%d, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
             for i, prompt in enumerate(prompts):
@@ -62,17 +65,26 @@ DRIVER = textwrap.dedent("""
                 out[o.request_id] += [t for d in o.deltas for t in d.token_ids]
         result = {name: [out[f"{name}/{i}"] for i in range(len(prompts))] for name in ("plain", "spec")}
         result["draft_tokens"], result["accepted_tokens"] = engine.spec.num_draft_tokens, engine.spec.num_accepted_tokens
-    finally:
-        async_engine.shutdown()
-    print(json.dumps(result))
+        result["first_observed_aux"] = observed[0] if observed else None
+        return result
+
+    prompts = json.loads(sys.argv[2])
+    for raw in json.loads(sys.argv[1]):
+        async_engine = AsyncEngine.from_config(EngineConfig.model_validate_json(raw))
+        try:
+            result = run(async_engine.engine, prompts)
+        finally:
+            async_engine.shutdown()
+        print("RESULT " + json.dumps(result), flush=True)
 """ % MAX_TOKENS)
 
 
-def _tp_outputs(cfg: EngineConfig, prompts: list[list[int]], cwd: Path, deadline_s: float) -> dict:
-    done = run_group([sys.executable, "-P", "-c", DRIVER, cfg.model_dump_json(), json.dumps(prompts)],
-                      deadline_s, cwd)
+def _tp_outputs(cfgs: list[EngineConfig], prompts: list[list[int]], cwd: Path, deadline_s: float) -> list[dict]:
+    """The driver's result per config, in order (one subprocess: the groups one after another)."""
+    done = run_group([sys.executable, "-P", "-c", DRIVER, json.dumps([cfg.model_dump_json() for cfg in cfgs]),
+                      json.dumps(prompts)], deadline_s, cwd)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line.removeprefix("RESULT ")) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def _tp_config(model: str, size: int, cache_dir: Path | None, **spec) -> EngineConfig:
@@ -103,22 +115,35 @@ def test_tp2_tiny_llama_greedy_equals_tp1(tiny_hf_model_dir, tmp_path, make_engi
     loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
     texts = ["Hello world! The quick", "def add(a, b):\n    return", "The capital of France is Paris. The capital"]
     prompts = [loaded.tokenizer.encode(t) for t in texts]
-    got = _tp_outputs(_tp_config(str(tiny_hf_model_dir), 2, None), prompts, tmp_path, deadline_s=50)
+    (got,) = _tp_outputs([_tp_config(str(tiny_hf_model_dir), 2, None)], prompts, tmp_path, deadline_s=50)
     _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
 
 
-@pytest.mark.timeout(60)
-def test_tp2_tiny_llama_with_mtp_greedy_equals_tp1(tiny, tiny_hf_model_dir, tmp_path, make_engine, run_all,
-                                                   assert_greedy_match, write_random_mtp_head):
-    """MTP heads under tensor parallelism: rank 0 holds the whole head and drafts from the hidden
-    states its forward gathered; the other rank only runs its shard."""
-    head = write_random_mtp_head(tiny[0], tmp_path / "head")
+@pytest.mark.timeout(90)
+def test_tp2_with_mtp_and_eagle3_heads_greedy_equals_tp1(tiny, tiny_hf_model_dir, sharp3_target_dir, sharp3_eagle3_dir,
+                                                         tmp_path, make_engine, run_all, assert_greedy_match,
+                                                         write_random_mtp_head):
+    """Heads under tensor parallelism: rank 0 holds the whole head and drafts from what its forward
+    returns after each layer's all-reduce, the other rank only runs its shard — an MTP head on the
+    tiny llama's hidden states, an EAGLE-3 head on the aux states of a 3-layer target (the residual
+    streams entering layers 0, 1 and 2: after the prefill, the whole model's)."""
+    mtp = write_random_mtp_head(tiny[0], tmp_path / "mtp")
     texts = ["Hello world! The quick", "def add(a, b):\n    return", "The capital of France is Paris. The capital"]
     prompts = [tiny[1].encode(t) for t in texts]
-    cfg = _tp_config(str(tiny_hf_model_dir), 2, None, method="mtp", num_speculative_tokens=3, mtp_path=head)
-    got = _tp_outputs(cfg, prompts, tmp_path, deadline_s=50)
-    loaded = load_model(LoadConfig(model=str(tiny_hf_model_dir), weight_cache_dir=None))
-    _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
+    heads = {tiny_hf_model_dir: dict(method="mtp", mtp_path=mtp),
+             sharp3_target_dir: dict(method="eagle3", eagle3_path=sharp3_eagle3_dir)}
+    cfgs = [_tp_config(str(model), 2, None, num_speculative_tokens=3, **spec) for model, spec in heads.items()]
+    for model, got in zip(heads, _tp_outputs(cfgs, prompts, tmp_path, deadline_s=80), strict=True):
+        loaded = load_model(LoadConfig(model=str(model), weight_cache_dir=None))
+        _check_against_tp1(loaded, prompts, make_engine, run_all, assert_greedy_match, got)
+    whole = ModelRunner(loaded.model, num_blocks=2, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
+    whole.aux_layers = (0, 1, 2)
+    batch = build_attention_batch([Span([0, 1], 0, len(prompts[0]))], 16, 2, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = whole.forward_aux(torch.tensor(prompts[0]), batch)[1]  # [T, 3·hidden]
+    observed = torch.tensor(got["first_observed_aux"])[: len(prompts[0])]  # the first prompt's rows come first
+    torch.testing.assert_close(observed, expected, atol=1e-4, rtol=1e-4)  # the shards' partial sums, added in
+    # another order than the whole model's dot products
 
 
 @pytest.mark.timeout(90)
@@ -126,7 +151,7 @@ def test_tp3_smollm2_greedy_equals_tp1(smollm2, smol_rep, cache_dir, tmp_path, m
                                        assert_greedy_match):
     """SmolLM2 has 9 attention heads and 3 KV heads: 3 ranks of 3 heads and 1 KV head each."""
     prompts = smol_rep[:3]
-    got = _tp_outputs(_tp_config("smollm2-135m", 3, cache_dir), prompts, tmp_path, deadline_s=80)
+    (got,) = _tp_outputs([_tp_config("smollm2-135m", 3, cache_dir)], prompts, tmp_path, deadline_s=80)
     _check_against_tp1(smollm2, prompts, make_engine, run_all, assert_greedy_match, got)
     assert got["accepted_tokens"] > 0  # verification accepted drafts: multi-position steps ran sharded
 
