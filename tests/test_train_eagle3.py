@@ -128,7 +128,7 @@ def test_the_folder_is_speculators_format_with_the_aux_layers_and_a_reduced_draf
 
 def test_the_same_seed_trains_the_same_head(tiny4_dir, prompt_files, tmp_path):
     """Two short runs (a few prompts, one epoch) from scratch write the same tensors."""
-    short = ["--num-prompts", "16", "--max-tokens", "16", "--epochs", "1", "--eval-prompts", "2", "--eval-max-tokens", "8"]
+    short = ["--num-prompts", "8", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1", "--eval-max-tokens", "4"]
     heads = []
     for name in ("first", "second"):
         assert train_eagle3(tiny4_dir, tmp_path / name, prompt_files, short) == 0

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, epochs=5, num_layers=1, depth=2, seed=0, eval_prompts=16,
                       eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
-EAGLE3_DEFAULTS = TRAIN_DEFAULTS | dict(epochs=5)
 POSITIVE = ("num_prompts", "max_tokens", "epochs", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
 
 
@@ -65,7 +64,7 @@ class HeadKind:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``train-mtp``'s arguments."""
-    _add_shared(parser, TRAIN_DEFAULTS)
+    _add_shared(parser)
     parser.add_argument("--num-layers", type=int, default=TRAIN_DEFAULTS["num_layers"],
                         help="MTP modules L (draft k uses module k mod L) [%(default)s]")
     parser.add_argument("--hidden-tap", choices=["post_norm", "pre_norm"], default="post_norm",
@@ -74,13 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_eagle3_arguments(parser: argparse.ArgumentParser) -> None:
     """``train-eagle3``'s arguments."""
-    _add_shared(parser, EAGLE3_DEFAULTS)
+    _add_shared(parser)  # a step costs about what an MTP head's does: the same epochs take the same time
     parser.add_argument("--aux-layer-ids", type=_layer_ids, default=None, metavar="LOW,MID,HIGH",
                         help="the target layers whose entering residual streams the head fuses [vLLM's and "
                              "SGLang's default for L layers: 2, L // 2, L - 3]")
 
 
-def _add_shared(parser: argparse.ArgumentParser, d: dict) -> None:
+def _add_shared(parser: argparse.ArgumentParser) -> None:
+    d = TRAIN_DEFAULTS
     add_model_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to (created)")
     parser.add_argument("--prompts", default="sharegpt-followups",
