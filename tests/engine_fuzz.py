@@ -57,7 +57,8 @@ from specdecode.runtime.engine.llm_engine import LLMEngine, draft_cap
 from specdecode.runtime.engine.sampler import sampling_probs
 from specdecode.runtime.engine.sequence import FinishReason, SamplingParams
 
-PROPOSERS = ("ngram", "suffix", "draft-same", "draft-noisy", "mtp")  # draft-same: the target as its own draft
+PROPOSERS = ("ngram", "suffix", "draft-same", "draft-noisy", "mtp", "eagle3")  # draft-same: the target as its own draft
+HEAD_PROPOSERS = ("mtp", "eagle3")  # methods drafting with heads read from ``FuzzBed.head_dirs``
 STRATEGIES = ("greedy", "target_match", "rejection", "topp")
 LOSSLESS_PER_SEED = ("greedy", "target_match")  # sampled outputs equal no-spec seeded sampling exactly
 SAMPLING_TIE = 1e-5  # a seeded draw this close to a CDF boundary may land on either side after fp rounding
@@ -318,13 +319,15 @@ def _allowed(words: torch.Tensor, token: int) -> bool:
 
 class FuzzBed:
     """The target (a tiny random llama sharp enough that greedy continuations repeat and logits sit
-    far from ties), its drafts and MTP head, the reference outputs, and ``check``."""
+    far from ties), its drafts and heads, the reference outputs, and ``check``. ``head_dirs``: a head
+    folder per head method (``HEAD_PROPOSERS``) the target has."""
 
-    def __init__(self, target_dir: Path, target, noisy_draft_dir: str, mtp_dir: str, full_forward):
+    def __init__(self, target_dir: Path, target, noisy_draft_dir: str | None, head_dirs: dict[str, str],
+                 full_forward):
         self.target_dir = target_dir
         self.model, self.tokenizer = target
         self.draft_dirs = {"draft-same": str(target_dir), "draft-noisy": noisy_draft_dir}
-        self.mtp_dir = mtp_dir
+        self.head_dirs = head_dirs
         self.full_forward = full_forward
         self._references: dict[tuple, list[Completion]] = {}
         self._reference_engines: dict[int, LLMEngine] = {}
@@ -346,7 +349,7 @@ class FuzzBed:
         return coverage
 
     def engine(self, workload: Workload) -> LLMEngine:
-        cfg = engine_config(self.target_dir, workload, self.draft_dirs, self.mtp_dir)
+        cfg = engine_config(self.target_dir, workload, self.draft_dirs, self.head_dirs)
         if workload.axes.stages > 1:
             from pipeline_harness import in_process_pipeline_engine
 
@@ -382,15 +385,16 @@ class FuzzBed:
                 raise AssertionError(f"request {request.request_id} ({request}): {exc}") from None
 
 
-def engine_config(target_dir: Path, workload: Workload, draft_dirs: dict[str, str], mtp_dir: str,
+def engine_config(target_dir: Path, workload: Workload, draft_dirs: dict[str, str], head_dirs: dict[str, str],
                   parallel: ParallelConfig | None = None) -> EngineConfig:
     """The workload's engine; ``parallel`` for real process groups (else the axes' in-process stages)."""
     axes, shape = workload.axes, workload.shape
     spec: dict = {"num_speculative_tokens": shape.k, "verify": axes.strategy, "grammar_drafts": shape.grammar_drafts}
     if axes.proposer.startswith("draft"):
         spec |= {"method": "draft", "draft_model": draft_dirs[axes.proposer]}
-    elif axes.proposer == "mtp":
-        spec |= {"method": "mtp", "mtp_path": mtp_dir, "gates": ["mtp-pipeline-parallel"] if axes.stages > 1 else []}
+    elif axes.proposer in HEAD_PROPOSERS:
+        spec |= {"method": axes.proposer, f"{axes.proposer}_path": head_dirs[axes.proposer],
+                 "gates": ["mtp-pipeline-parallel"] if axes.stages > 1 else []}
     else:
         spec["method"] = axes.proposer
     return EngineConfig(

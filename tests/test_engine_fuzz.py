@@ -1,5 +1,6 @@
 """The engine's differential fuzzer (tests/engine_fuzz.py) over every axis combination — proposer
-(n-gram, suffix, a draft model identical to the target and a perturbed one, MTP heads) × verify
+(n-gram, suffix, a draft model identical to the target and a perturbed one, MTP heads, an EAGLE-3
+head on a 3-layer target: its three aux layers need three) × verify
 strategy × overlap on/off × pipeline stages (1, or 2 in one process) — on ``--fuzz-seeds``
 workloads each (4 in CI); the coverage of the whole seed set asserted; a real TP1×PP2 gloo run for
 each proposer group (rank 0's, the verifier's); a seeded distribution test of rejection sampling
@@ -37,8 +38,9 @@ from engine_fuzz import (
 )
 from local_process import run_group
 
-from specdecode.runtime.config import ParallelConfig
+from specdecode.runtime.config import LoadConfig, ParallelConfig
 from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.models.loader import load_model
 
 AXES = [Axes(proposer, strategy, overlap, stages)
         for proposer, strategy, (overlap, stages) in itertools.product(
@@ -51,7 +53,19 @@ _coverage: dict[Axes, Coverage] = {}  # what each axis combination's seeds exerc
 
 @pytest.fixture(scope="module")
 def bed(sharp_target_dir, sharp_target, sharp_draft_dir, sharp_mtp_dir, full_forward) -> FuzzBed:
-    return FuzzBed(sharp_target_dir, sharp_target, sharp_draft_dir, sharp_mtp_dir, full_forward)
+    return FuzzBed(sharp_target_dir, sharp_target, sharp_draft_dir, {"mtp": sharp_mtp_dir}, full_forward)
+
+
+@pytest.fixture(scope="module")
+def eagle3_bed(sharp3_target_dir, sharp3_eagle3_dir, full_forward) -> FuzzBed:
+    """The EAGLE-3 axes' bed: the sharp target 3 layers deep, a random head over all three."""
+    loaded = load_model(LoadConfig(model=str(sharp3_target_dir), weight_cache_dir=None))
+    return FuzzBed(sharp3_target_dir, (loaded.model, loaded.tokenizer), None, {"eagle3": sharp3_eagle3_dir},
+                   full_forward)
+
+
+def bed_for(axes: Axes, request) -> FuzzBed:
+    return request.getfixturevalue("eagle3_bed" if axes.proposer == "eagle3" else "bed")
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +87,11 @@ def _fuzz(bed: FuzzBed, axes: Axes, seeds: range, nodeid: str) -> Coverage:
 
 
 @pytest.mark.parametrize("axes", AXES, ids=str)
-def test_random_workloads_match_the_reference(axes, bed, seeds, request):
-    _coverage[axes] = _fuzz(bed, axes, seeds, request.node.nodeid)
+def test_random_workloads_match_the_reference(axes, seeds, request):
+    _coverage[axes] = _fuzz(bed_for(axes, request), axes, seeds, request.node.nodeid)
 
 
-def test_the_seed_set_covers_every_hard_case(bed, seeds, request):
+def test_the_seed_set_covers_every_hard_case(seeds, request):
     """Over the seed set (every axis combination; those not run in this session are run here),
     each hard case happened: preemptions (some by a look-ahead decode row), aborts mid-decode,
     prefix hits, full and partial acceptance, chunked-prefill splits, overlap rebuilds and drafts
@@ -85,7 +99,7 @@ def test_the_seed_set_covers_every_hard_case(bed, seeds, request):
     total = Counter()
     for axes in AXES:
         if axes not in _coverage:
-            _coverage[axes] = _fuzz(bed, axes, seeds, f"{request.node.nodeid.split('::')[0]}::"
+            _coverage[axes] = _fuzz(bed_for(axes, request), axes, seeds, f"{request.node.nodeid.split('::')[0]}::"
                                     f"test_random_workloads_match_the_reference[{axes}]")
         total += _coverage[axes]
     missing = [case for case in COVERED if total[case] == 0]
@@ -133,7 +147,7 @@ def test_random_workloads_through_real_gloo_pipeline_stages_match_the_reference(
     choices = GLOO_GROUPS[group]
     axes = choices[seeds.start % len(choices)]
     runs = [(axes, bed.workload(seeds.start, axes))]
-    configs = [(engine_config(bed.target_dir, w, bed.draft_dirs, bed.mtp_dir, parallel).model_dump_json(), w)
+    configs = [(engine_config(bed.target_dir, w, bed.draft_dirs, bed.head_dirs, parallel).model_dump_json(), w)
                for _, w in runs]
     (tmp_path / "runs.pkl").write_bytes(pickle.dumps(configs))
     (tmp_path / "driver.py").write_text(DRIVER)
