@@ -1,6 +1,7 @@
 """On a CUDA device (``-m gpu``; skipped without one): the Triton kernels compiled for the GPU
 equal their torch references, the lossless strategies keep the target distribution there, and
-the engine on CUDA gives the no-spec greedy output with every proposer and lossless strategy.
+the engine on CUDA gives the no-spec greedy output with every proposer and lossless strategy (MTP
+and EAGLE-3 heads with and without batch buckets too).
 
 Run with ``TRITON_INTERPRET=0`` (scripts/gpu_check.sh does): conftest.py turns the interpreter on
 by default, and these tests are about what the compiler makes of the kernels.
@@ -9,6 +10,7 @@ Kernel equality is exact: probabilities are multiples of 2**-20 (``dyadic``), so
 sum is exact in fp32 whatever order a kernel adds in, and the sampling rule cannot round
 differently on the two paths.
 """
+import itertools
 import json
 import os
 
@@ -231,6 +233,29 @@ def test_engine_greedy_on_cuda_equals_no_spec(sharp_dirs, dtype, make_engine, ru
             if method == "draft":
                 assert stats.spec_decode_num_accepted_tokens > 0
             assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.BFLOAT16])
+def test_heads_on_cuda_equal_no_spec_with_and_without_buckets(sharp3_target_dir, sharp3_eagle3_dir,
+                                                              write_random_mtp_head, tmp_path, dtype, make_engine,
+                                                              run_all, assert_greedy_match):
+    """MTP and EAGLE-3 heads (random: drafts accepted and rejected) on CUDA, every lossless strategy,
+    prompts in chunks: the no-spec greedy output, with their drafting steps padded to the batch
+    buckets too (the paged kernels over padding sequences of the null block)."""
+    cpu_target = load_model(LoadConfig(model=str(sharp3_target_dir), weight_cache_dir=None)).model
+    heads = {"mtp": {"method": "mtp", "mtp_path": write_random_mtp_head(cpu_target, tmp_path / "mtp")},
+             "eagle3": {"method": "eagle3", "eagle3_path": sharp3_eagle3_dir}}
+    loaded = _load(str(sharp3_target_dir), dtype)
+    torch_dtype = next(loaded.model.parameters()).dtype
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    expected = run_all(make_engine(loaded.model, loaded.tokenizer, device=CUDA, dtype=torch_dtype), prompts, GREEDY)
+    for (method, spec), verify, buckets in itertools.product(heads.items(), LOSSLESS, (False, True)):
+        engine = make_engine(loaded.model, loaded.tokenizer, device=CUDA, dtype=torch_dtype, budget=48, buckets=buckets,
+                             spec={**spec, "num_speculative_tokens": 3, "verify": verify})
+        for prompt, want, have in zip(prompts, expected, run_all(engine, prompts, GREEDY)):
+            assert_greedy_match(loaded.model, prompt, want, have)
+        assert engine.stats().spec_decode_num_draft_tokens > 0, f"{method}/{verify} drafted nothing"
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 def test_seeded_sampling_and_logprobs_on_cuda(sharp_dirs, make_engine, run_all):
