@@ -88,7 +88,8 @@ def test_a_trained_head_beats_a_random_head_on_heldout_position_one_by_at_least_
 def test_with_a_trained_head_greedy_equals_no_spec(verify, trained, tiny4, prompt_files, make_engine, run_all,
                                                    assert_greedy_match):
     spec = {"method": "eagle3", "num_speculative_tokens": 2, "eagle3_path": str(trained[0]), "verify": verify}
-    stats = check_heldout_greedy_equals_no_spec(*tiny4, prompt_files[1], spec, make_engine, run_all, assert_greedy_match)
+    stats = check_heldout_greedy_equals_no_spec(*tiny4, prompt_files[1], spec, make_engine, run_all,
+                                                assert_greedy_match)
     assert stats.spec_decode_num_accepted_tokens > 0
 
 
@@ -108,7 +109,8 @@ def test_the_training_passes_are_the_proposers_chain(trained, tiny4, prompt_file
         with torch.no_grad():
             outs = eagle3_head.passes(head, model, torch.tensor([fed]), aux, k)
         n = len(tokens)
-        expected = [int(head.target_ids()[head.draft_logits(out[0, n - 1 + j][None]).argmax()]) for j, out in enumerate(outs)]
+        logits = [head.draft_logits(out[0, n - 1 + j][None]) for j, out in enumerate(outs)]  # pass j at slot n − 1 + j
+        expected = [int(head.target_ids()[row.argmax()]) for row in logits]
         assert drafts == expected
     assert engine.stats().spec_decode_num_accepted_tokens > 0
 
@@ -128,7 +130,8 @@ def test_the_folder_is_speculators_format_with_the_aux_layers_and_a_reduced_draf
 
 def test_the_same_seed_trains_the_same_head(tiny4_dir, prompt_files, tmp_path):
     """Two short runs (a few prompts, one epoch) from scratch write the same tensors."""
-    short = ["--num-prompts", "8", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1", "--eval-max-tokens", "4"]
+    short = ["--num-prompts", "8", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1",
+             "--eval-max-tokens", "4"]
     heads = []
     for name in ("first", "second"):
         assert train_eagle3(tiny4_dir, tmp_path / name, prompt_files, short) == 0

@@ -22,7 +22,7 @@ import torch
 from specdecode.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from specdecode.runtime.engine.llm_engine import LLMEngine
 from specdecode.runtime.engine.scheduler import ScheduledSeq
-from specdecode.runtime.engine.sequence import SamplingParams
+from specdecode.runtime.engine.sequence import SamplingParams, Sequence
 from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.proposers import Proposer
 
@@ -74,13 +74,13 @@ class HiddenRecorder(Proposer):
             if item.start != record.num_positions:
                 raise RuntimeError(f"request {seq.request_id} skipped or repeated positions (from {item.start}): "
                                    "record without prefix caching, in a pool that preempts nothing")
+            positions = range(item.start, item.start + item.num_tokens)
             record.source.append(self.source(rows).float().cpu())
-            record.labels.append(torch.tensor([_greedy_label(seq, p) for p in range(item.start, item.start + item.num_tokens)],
-                                              dtype=torch.long))
+            record.labels.append(torch.tensor([_greedy_label(seq, p) for p in positions], dtype=torch.long))
             record.num_positions += item.num_tokens
 
 
-def _greedy_label(seq, position: int) -> int:
+def _greedy_label(seq: Sequence, position: int) -> int:
     """The target's greedy token after ``position``: the top prompt logprob of the next prompt token
     inside the prompt, the token the step appended from the prompt's last position on."""
     if position < seq.num_prompt_tokens - 1:

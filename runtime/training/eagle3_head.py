@@ -32,8 +32,9 @@ def head_config(target: DecoderLM, aux_layer_ids: tuple[int, int, int], draft_vo
     """One llama block of the target's shapes over ``aux_layer_ids``, chained on its output before the
     final norm (vLLM's default)."""
     c = target.config
-    return Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                        num_layers=1, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+    return Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
+                        intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
+                        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                         rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
                         max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
                         draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
