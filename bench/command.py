@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft: alias, GGUF file or HF folder (e.g. qwen2.5-coder-0.5b)")
     parser.add_argument("--mtp-path", default=None,
                         help="mtp: folder of the MTP head(s) (specdecode train-mtp --out DIR); unset = the model's own")
+    parser.add_argument("--eagle3-path", default=None,
+                        help="eagle3: folder of the EAGLE-3 head (specdecode train-eagle3 --out DIR, or a published one)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight")
     parser.add_argument("--runs", type=int, default=3,
                         help="rounds: each runs every system once (a warm-up, then one timed run per concurrency); "
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         systems = build_systems(args.method, args.num_speculative_tokens, args.draft_model, args.concurrency,
                                 not args.skip_peer, args.load_control, args.mtp_path, args.pipeline_parallel_size,
-                                args.compare_overlap)
+                                args.compare_overlap, eagle3_path=args.eagle3_path)
         job = _base_job(args)
         _check_models_installed(args.model, args.draft_model if "draft" in args.method else None)
     except (FileNotFoundError, ValueError) as exc:  # MissingData is a FileNotFoundError

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from specdecode.runtime.config import MTP_PIPELINE_GATE, LoadControl, SpeculativeConfig
+from specdecode.runtime.config import HEAD_METHODS, MTP_PIPELINE_GATE, LoadControl, SpeculativeConfig
 
 NOSPEC = "ours-nospec"
 PEER_PLAIN = "transformers-plain"
-METHODS = ("none", "ngram", "suffix", "draft", "mtp")
-PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "assisted"}  # transformers has no MTP
+METHODS = ("none", "ngram", "suffix", "draft", "mtp", "eagle3")
+PEER_MODES = {"ngram": "prompt-lookup", "suffix": "prompt-lookup", "draft": "assisted"}  # transformers: no MTP, no EAGLE-3
 
 # Goodput rather than a fixed table: a table tuned on one machine (it was K=4 up to batch 4, K=2
 # up to 8, off above, floor 0.2, from the verify-step cost ratios this 2-core CPU showed) fits
@@ -58,7 +58,7 @@ class System:
 def build_systems(
     methods: list[str], k: int, draft_model: str | None, concurrency: list[int], with_peer: bool = True,
     load_control: LoadControl = LOAD_CONTROL_ON, mtp_path: str | None = None, pipeline_parallel_size: int = 1,
-    compare_overlap: bool = False,
+    compare_overlap: bool = False, eagle3_path: str | None = None,
 ) -> list[System]:
     """The systems for ``methods`` (``none`` adds nothing: ``ours-nospec`` always runs); the
     ``+lc`` ones run ``load_control``. ``mtp`` runs twice: ``ours-mtp`` with the head's reduced
@@ -75,7 +75,7 @@ def build_systems(
     nospec = System(NOSPEC, "ours", conc, peer=PEER_PLAIN, self_reference=NOSPEC)
     ours = [nospec, *_pipelined(nospec, pipeline_parallel_size)]
     for method in spec_methods:
-        spec = speculative_config(method, k, draft_model, mtp_path)
+        spec = speculative_config(method, k, draft_model, mtp_path, eagle3_path)
         variants = [(f"ours-{method}", spec)]
         if method == "mtp":
             variants.append(("ours-mtp-fullvocab", spec.model_copy(update={"draft_vocab_size": 0})))
@@ -98,12 +98,12 @@ def build_systems(
 
 
 def _pipelined(system: System, pipeline_parallel_size: int) -> list[System]:
-    """``system`` as ``pipeline_parallel_size`` stages (none for 1); MTP gets the experimental
-    gate it needs there (asking for the layout in the bench is asking for it)."""
+    """``system`` as ``pipeline_parallel_size`` stages (none for 1); MTP and EAGLE-3 heads get the
+    experimental gate they need there (asking for the layout in the bench is asking for it)."""
     if pipeline_parallel_size == 1:
         return []
     spec = system.speculative
-    if spec is not None and spec["method"] == "mtp":
+    if spec is not None and spec["method"] in {m.value for m in HEAD_METHODS}:
         spec = {**spec, "gates": sorted({*spec["gates"], MTP_PIPELINE_GATE})}
     return [_variant(system, f"-pp{pipeline_parallel_size}", pipeline_parallel_size=pipeline_parallel_size,
                      speculative=spec)]
@@ -120,9 +120,10 @@ def _variant(system: System, suffix: str, **changes) -> System:
     return replace(system, name=system.name + suffix, self_reference=f"{system.self_reference}{suffix}", **changes)
 
 
-def speculative_config(method: str, k: int, draft_model: str | None, mtp_path: str | None = None) -> SpeculativeConfig:
+def speculative_config(method: str, k: int, draft_model: str | None, mtp_path: str | None = None,
+                       eagle3_path: str | None = None) -> SpeculativeConfig:
     """Raises pydantic's ValidationError (a ValueError) for an impossible combination."""
     return SpeculativeConfig(
         method=method, num_speculative_tokens=k, draft_model=draft_model if method == "draft" else None,
-        mtp_path=mtp_path if method == "mtp" else None,
+        mtp_path=mtp_path if method == "mtp" else None, eagle3_path=eagle3_path if method == "eagle3" else None,
     )

@@ -37,6 +37,9 @@ def test_pipeline_and_overlap_variants_follow_their_base():
     assert plain == [NOSPEC, "ours-ngram", "transformers-prompt-lookup", PEER_PLAIN]  # the defaults add nothing
     mtp = {s.name: s for s in build_systems(["mtp"], 2, None, [1], with_peer=False, pipeline_parallel_size=3)}
     assert mtp["ours-mtp-pp3"].speculative["gates"] == [MTP_PIPELINE_GATE] and mtp["ours-mtp"].speculative["gates"] == []
+    eagle3 = {s.name: s for s in build_systems(["eagle3"], 2, None, [1], with_peer=False, pipeline_parallel_size=2,
+                                               eagle3_path="/heads/e3")}
+    assert eagle3["ours-eagle3-pp2"].speculative["gates"] == [MTP_PIPELINE_GATE]
     with pytest.raises(ValueError, match="suffix proposer's cache"):
         build_systems(["ngram", "suffix"], 3, None, [1], pipeline_parallel_size=2)
 

@@ -49,6 +49,10 @@ def test_system_list():
     assert mtp["ours-mtp"].speculative["mtp_path"] == "/heads/smollm2" and mtp["ours-mtp"].peer is None
     assert mtp["ours-mtp"].speculative["draft_vocab_size"] is None  # the head's reduced vocabulary
     assert mtp["ours-mtp-fullvocab"].speculative["draft_vocab_size"] == 0 and mtp["ours-ngram"].speculative["mtp_path"] is None
+    eagle3 = {s.name: s for s in build_systems(["eagle3"], 2, None, [1], with_peer=False, eagle3_path="/heads/e3")}
+    assert list(eagle3) == [NOSPEC, "ours-eagle3"] and eagle3["ours-eagle3"].speculative["eagle3_path"] == "/heads/e3"
+    with pytest.raises(ValueError, match="eagle3_path"):
+        build_systems(["eagle3"], 2, None, [1])
     with pytest.raises(ValueError, match="draft_model"):
         build_systems(["draft"], 4, None, [1])
 
