@@ -40,11 +40,16 @@ PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) 
            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
 
 
-# Two prompts whose greedy paths pass close calls (top-2 gaps of 0.13–0.15 nats in float32, within
-# the first 10 tokens), where a bfloat16 replica of SmolLM2 on CPU takes the other branch: one a
-# probe, so that a probe stays short.
+# Two short prompts, one a probe, so that a probe stays short.
 PROBE = {"prompts": ["Complete the sequence: 2, 4, 8, 16,", "Tell me a story about a dragon."], "maxTokens": 10,
          "promptsPerInterval": 1}
+# A revision that changes the prompt a chat request becomes: its outputs differ on any hardware (a
+# bfloat16 replica differs only where a CPU's rounding flips a close call, and on some CPUs it does
+# not within 10 tokens of these prompts).
+FRENCH_TEMPLATE = ("<|im_start|>system\nAnswer only in French, in one word.<|im_end|>\n"
+                   "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
 
 
 def deployment(path: Path, *, tokens: int, min_acceptance: float, replicas: int = 1, method: str = "ngram",
@@ -144,7 +149,8 @@ def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(r
     acceptance meets the SLO is promoted, one whose SLO asks for more than n-gram drafting gets is
     rolled back, while requests flow through the router the whole time. At one replica the first
     canary is n-gram → suffix, whose greedy outputs the equivalence probe finds equal to the
-    stable's (its control agreeing on CPU), and a bfloat16 replica is rolled back on its outputs."""
+    stable's (its control agreeing on CPU), and a replica serving another chat template is rolled back
+    on its outputs."""
     store = running.store
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused", max_retries=0,
                            timeout=120)
@@ -165,11 +171,14 @@ def test_up_promotes_a_good_canary_and_rolls_back_a_poor_one_losing_no_request(r
         assert probed.prompts_same + probed.near_ties >= 1 and "differed" not in probed.message
         assert "EquivalenceInconclusive" not in [e["reason"] for e in store.events()[0]]  # the control agreed
 
-        bf16 = roll_out(store, deployment(tmp_path / "bf16.yaml", tokens=4, min_acceptance=0.01, method="suffix",
-                                          extra_args=("--dtype", "bfloat16"), probe=True), "RolledBack")
-        why = next(c for c in bf16.conditions if c.type.value == "RolledBack")
-        assert why.reason == "OutputDiverged" and bf16.equivalence.state is EquivalenceState.DIVERGED
-        assert bf16.equivalence.last_divergence.prompt in PROBE["prompts"] and bf16.stable_revision == suffix.stable_revision
+        (tmp_path / "french.jinja").write_text(FRENCH_TEMPLATE)
+        french = roll_out(store, deployment(tmp_path / "french.yaml", tokens=4, min_acceptance=0.01, method="suffix",
+                                            extra_args=("--chat-template", str(tmp_path / "french.jinja")), probe=True),
+                          "RolledBack")
+        why = next(c for c in french.conditions if c.type.value == "RolledBack")
+        assert why.reason == "OutputDiverged" and french.equivalence.state is EquivalenceState.DIVERGED
+        assert french.equivalence.last_divergence.prompt in PROBE["prompts"]
+        assert french.stable_revision == suffix.stable_revision
 
         outcomes.append(poor_rolled_back(store, tmp_path, tokens=2, replicas=1, stable=suffix.stable_revision))
         two = roll_out(store, deployment(tmp_path / "two.yaml", tokens=5, min_acceptance=0.01, replicas=2), "Promoted")
