@@ -35,9 +35,9 @@ import torch
 
 from specdecode.runtime.engine.buckets import bucket_for
 from specdecode.runtime.engine.model_runner import Span, attention_lists
-from specdecode.runtime.engine.transfer import upload
 from specdecode.runtime.engine.scheduler import ScheduledSeq
 from specdecode.runtime.engine.sequence import Sequence
+from specdecode.runtime.engine.transfer import upload
 from specdecode.runtime.models.attention import AttentionBatch
 from specdecode.runtime.models.decoder import DecoderLM
 from specdecode.runtime.proposers import Proposal, Proposer
