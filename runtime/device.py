@@ -28,3 +28,13 @@ def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     if dtype is DType.AUTO:
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return _DTYPES[dtype]
+
+
+def has_native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware: a CUDA device torch calls bf16-capable (compute
+    capability ≥ 8.0), a CPU with AVX512-BF16 or AMX (where oneDNN's bf16 GEMMs run 2–4× float32's; elsewhere
+    bf16 is emulated and slower than float32)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and (torch.cpu._is_avx512_bf16_supported()
+                                                     or torch.cpu._is_amx_tile_supported())

@@ -109,10 +109,11 @@ PROMPT_SETS: dict[str, Callable[[int], list[Messages]]] = {
 PROMPT_SET_NAMES = ("builtin", *PROMPT_SETS)
 
 
-def load_prompts(source: str, num_prompts: int) -> list[Messages]:
+def load_prompts(source: str, num_prompts: int | None) -> list[Messages]:
     """``source`` is ``builtin``, a packaged set (``PROMPT_SETS``), or a JSON file (a list) / JSONL
     file (one item a line) whose items are a string (one user turn), a list of messages, or an
-    object with ``prompt`` or ``messages``. Raises ``MissingData`` for an uninstalled set."""
+    object with ``prompt`` or ``messages``; a file's every item when ``num_prompts`` is None. Raises
+    ``MissingData`` for an uninstalled set."""
     if source in PROMPT_SETS:
         return PROMPT_SETS[source](num_prompts)
     if source == "builtin":
@@ -121,6 +122,8 @@ def load_prompts(source: str, num_prompts: int) -> list[Messages]:
         text = Path(source).read_text(encoding="utf-8")
         items = [json.loads(line) for line in text.splitlines() if line.strip()] if source.endswith(".jsonl") else json.loads(text)
         prompts = [_as_messages(item) for item in items]
+    if num_prompts is None:
+        return prompts
     if num_prompts < 1 or num_prompts > len(prompts):
         raise ValueError(f"--num-prompts must be in [1, {len(prompts)}] for prompt set {source!r}")
     return prompts[:num_prompts]

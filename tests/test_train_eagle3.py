@@ -27,8 +27,8 @@ from test_train_mtp import (  # noqa: F401 (fixture)
 from conftest import copy_hf_folder, random_hf_weights
 
 AUX = (1, 2, 3)
-TRAIN_ARGS = ["--num-prompts", "64", "--max-tokens", "24", "--epochs", "8", "--lr", "1e-2", "--eval-prompts", "16",
-              "--eval-max-tokens", "32"]
+TRAIN_ARGS = ["--num-prompts", "64", "--max-tokens", "24", "--text-tokens", "0", "--epochs", "8", "--lr", "1e-2",
+              "--eval-prompts", "16", "--eval-max-tokens", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_the_folder_is_speculators_format_with_the_aux_layers_and_a_reduced_draf
 
 def test_the_same_seed_trains_the_same_head(tiny4_dir, prompt_files, tmp_path):
     """Two short runs (a few prompts, one epoch) from scratch write the same tensors."""
-    short = ["--num-prompts", "8", "--max-tokens", "8", "--epochs", "1", "--eval-prompts", "1",
+    short = ["--num-prompts", "8", "--max-tokens", "8", "--text-tokens", "0", "--epochs", "1", "--eval-prompts", "1",
              "--eval-max-tokens", "4"]
     heads = []
     for name in ("first", "second"):
@@ -151,7 +151,8 @@ def test_aux_layers_that_do_not_fit_are_refused_with_exit_2_before_generating(
     folder = {"tiny4": tiny4_dir, "tiny2": str(tiny_hf_model_dir)}[model]
     train, heldout = prompt_files
     args = ["train-eagle3", "--model", folder, "--out", str(tmp_path / "h"), "--prompts", str(train),
-            "--eval-prompts-file", str(heldout), "--no-weight-cache"] + (["--aux-layer-ids", aux] if aux else [])
+            "--eval-prompts-file", str(heldout), "--text-tokens", "0", "--no-weight-cache"] + (
+                ["--aux-layer-ids", aux] if aux else [])
     assert main(args) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "h").exists()

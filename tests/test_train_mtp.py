@@ -23,8 +23,8 @@ from test_mtp_heads import drafts_along_generation, mtp_engine, pre_norm_hidden,
 
 from conftest import _TINY_CORPUS
 
-TRAIN_ARGS = ["--num-prompts", "150", "--max-tokens", "32", "--epochs", "10", "--eval-prompts", "16",
-              "--eval-max-tokens", "32", "--no-weight-cache"]
+TRAIN_ARGS = ["--num-prompts", "150", "--max-tokens", "32", "--text-tokens", "2000", "--epochs", "10",
+              "--eval-prompts", "16", "--eval-max-tokens", "32", "--no-weight-cache"]
 
 
 def word_prompts(count: int, seed: int) -> list[str]:
@@ -44,13 +44,27 @@ def prompt_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_hf_model_dir, prompt_files, tmp_path_factory):
+def text_file(tmp_path_factory):
+    """Chats to read teacher-forced: a user turn and an assistant reply of tiny-corpus words, none a held-out text."""
+    users, replies = word_prompts(200, seed=1), word_prompts(200, seed=2)
+    chats = [[{"role": "user", "content": u}, {"role": "assistant", "content": r}] for u, r in zip(users, replies)]
+    path = tmp_path_factory.mktemp("text") / "text.json"
+    path.write_text(json.dumps(chats))
+    return path
+
+
+def train_mtp(model_dir, out, prompt_files, text_file, *settings: str) -> int:
+    """``train-mtp`` with tiny settings: generating the training prompts and reading ``text_file``."""
+    train, heldout = prompt_files
+    return main(["train-mtp", "--model", str(model_dir), "--out", str(out), "--prompts", str(train),
+                 "--eval-prompts-file", str(heldout), "--text", str(text_file), *TRAIN_ARGS, *settings])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_hf_model_dir, prompt_files, text_file, tmp_path_factory):
     """(head folder, train_report.json) of ``train-mtp`` run with tiny settings."""
     out = tmp_path_factory.mktemp("trained") / "head"
-    train, heldout = prompt_files
-    rc = main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(out), "--prompts", str(train),
-               "--eval-prompts-file", str(heldout), *TRAIN_ARGS])
-    assert rc == 0
+    assert train_mtp(tiny_hf_model_dir, out, prompt_files, text_file) == 0
     return out, json.loads((out / "train_report.json").read_text())
 
 
@@ -62,7 +76,8 @@ def test_a_trained_head_beats_a_random_head_on_heldout_position_one_by_at_least_
     random_head = write_random_mtp_head(loaded.model, tmp_path / "random")
     check_beats_random_on_position_one(loaded.model, loaded.tokenizer, str(tiny_hf_model_dir), prompt_files[1], report,
                                        {"method": "mtp", "mtp_path": random_head})
-    assert set(report["timings"]) == {"generate_s", "train_s", "evaluate_s", "total_s"}
+    assert set(report["timings"]) == {"generate_s", "read_s", "train_s", "evaluate_s", "total_s"}
+    assert report["generated_chats"] == 150 and report["read_chats"] > 0
 
 
 def check_beats_random_on_position_one(model, tokenizer, model_dir: str, heldout, report: dict, random_spec: dict):
@@ -149,6 +164,9 @@ def test_default_training_prompts_are_disjoint_from_every_benchmark_and_heldout_
     (["--draft-vocab-coverage", "1.5"], "--draft-vocab-coverage out of range"),
     (["--prompts", "humaneval"], "is a benchmark prompt set"),
     (["--prompts", "/nonexistent/prompts.json"], "train-mtp:"),
+    (["--text", "sharegpt-chat"], "is a benchmark prompt set"),
+    (["--text-tokens", "-1"], "--text-tokens out of range"),
+    (["--num-prompts", "0", "--text-tokens", "0"], "no training data"),
 ])
 def test_bad_arguments_are_refused_with_exit_2_before_any_work(args, message, tiny_hf_model_dir, tmp_path, capsys):
     assert main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(tmp_path / "h"), *args]) == 2
@@ -156,10 +174,39 @@ def test_bad_arguments_are_refused_with_exit_2_before_any_work(args, message, ti
     assert not (tmp_path / "h").exists()
 
 
-def test_the_same_seed_trains_the_same_head(trained, tiny_hf_model_dir, prompt_files, tmp_path):
-    train, heldout = prompt_files
+def test_text_is_read_as_whole_chats_cut_at_512_tokens_until_the_budget(tiny):
+    tokenizer = tiny[1]
+    chat = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": " ".join(["dog"] * 600)}]
+    whole = tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=False), add_special_tokens=False)
+    ids = command._text_ids(tokenizer, [chat] * 5, 1200)
+    assert len(whole) > 600 and ids == [whole[:512], whole[:512], whole[:176]]
+
+
+@pytest.mark.parametrize("served, choice, expected", [
+    (torch.bfloat16, "float32", torch.bfloat16),  # a model served in half precision keeps its own
+    (torch.float32, "float32", torch.float32),
+    (torch.float32, "bfloat16", torch.bfloat16),
+])
+def test_the_precision_is_the_served_half_dtype_or_the_choice(served, choice, expected):
+    assert command._precision(choice, served, torch.device("cpu")) == expected
+
+
+def test_bfloat16_recording_and_mixed_precision_training_write_a_float32_head(
+    tiny_hf_model_dir, prompt_files, text_file, tmp_path
+):
+    """On any CPU (emulated where bf16 is not native): a bf16 copy records, the head trains under autocast."""
+    out = tmp_path / "bf16"
+    assert train_mtp(tiny_hf_model_dir, out, prompt_files, text_file, "--precision", "bfloat16", "--num-prompts", "8",
+                     "--max-tokens", "8", "--text-tokens", "300", "--epochs", "1", "--eval-prompts", "2",
+                     "--eval-max-tokens", "4") == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["precision"] == "torch.bfloat16" and report["read_chats"] > 0
+    tensors = load_file(str(out / "model.safetensors")).values()
+    assert all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
+
+
+def test_the_same_seed_trains_the_same_head(trained, tiny_hf_model_dir, prompt_files, text_file, tmp_path):
     out = tmp_path / "again"
-    assert main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(out), "--prompts", str(train),
-                 "--eval-prompts-file", str(heldout), *TRAIN_ARGS]) == 0
+    assert train_mtp(tiny_hf_model_dir, out, prompt_files, text_file) == 0
     first, second = load_file(str(trained[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert first.keys() == second.keys() and all(torch.equal(first[name], second[name]) for name in first)

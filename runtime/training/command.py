@@ -2,16 +2,19 @@
 then measure it.
 
 Phases, each with its progress bar: generate the model's own continuations of the training
-prompts, recording what the head reads (MTP: the tapped hidden states; EAGLE-3: the residual
-streams entering its aux layers) and the greedy next tokens along them (``distill.py``); train
-(``trainer.py``, with ``mtp_head.py``'s or ``eagle3_head.py``'s loss); write the head (MTP:
-DeepSeek-V3-named safetensors + config.json, ``models/mtp_checkpoint.py``; EAGLE-3: speculators'
-format, ``models/eagle3_checkpoint.py``); then evaluate it by running the engine with
-``method: mtp`` or ``eagle3`` on held-out prompts and print the per-position acceptance it
-measured. Both share the data, prompts, disjointness rules, draft vocabulary and evaluation; a
-``HeadKind`` holds what differs. The defaults fit 15 minutes on a 2-core CPU for SmolLM2-135M (the
-README has the timings); ``train_report.json`` in the output folder records settings, timings and
-results.
+prompts, then read text teacher-forced (one prefill a chat: about 3× the tokens per second of
+generating), recording at every position what the head reads (MTP: the tapped hidden states;
+EAGLE-3: the residual streams entering its aux layers) and the model's greedy next token
+(``distill.py``); train (``trainer.py``, with ``mtp_head.py``'s or ``eagle3_head.py``'s loss);
+write the head (MTP: DeepSeek-V3-named safetensors + config.json, ``models/mtp_checkpoint.py``;
+EAGLE-3: speculators' format, ``models/eagle3_checkpoint.py``); then evaluate it by running the
+engine with ``method: mtp`` or ``eagle3`` on held-out prompts and print the per-position
+acceptance it measured. Where the device multiplies bfloat16 natively, the data is recorded by a
+bfloat16 copy of the model and the head trains in mixed precision (``--precision``); the
+evaluation runs the model as served. Both heads share the data, prompts, disjointness rules,
+draft vocabulary and evaluation; a ``HeadKind`` holds what differs. The defaults fit 20 minutes
+on a 2-core CPU for SmolLM2-135M (docs/mtp.md has the timings); ``train_report.json`` in the
+output folder records settings, timings and results.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdecode.runtime.config import DType
 from specdecode.runtime.serve_flags import add_model_arguments, engine_config
 
 if TYPE_CHECKING:
@@ -35,9 +39,10 @@ if TYPE_CHECKING:
     from specdecode.runtime.training.distill import Distilled, HiddenRecorder
     from specdecode.runtime.training.trainer import BatchLoss
 
-TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, epochs=5, num_layers=1, depth=2, seed=0, eval_prompts=16,
-                      eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
-POSITIVE = ("num_prompts", "max_tokens", "epochs", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
+TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, text_tokens=400_000, epochs=5, num_layers=1, depth=2, seed=0,
+                      eval_prompts=16, eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
+TEXT_MAX_LEN = 512  # tokens of one --text chat read
+POSITIVE = ("max_tokens", "epochs", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,18 @@ def _add_shared(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="training prompts [%(default)s]")
     parser.add_argument("--max-tokens", type=int, default=d["max_tokens"],
                         help="tokens the model generates per training prompt [%(default)s]")
+    parser.add_argument("--text", default="sharegpt-replies",
+                        help="text read teacher-forced (one prefill a chat, no generation; the labels are still the "
+                             "model's own greedy tokens): sharegpt-replies (the training prompts' kind of follow-up "
+                             "turn with the assistant reply that followed it), or a JSON/JSONL file of chats "
+                             "[%(default)s]")
+    parser.add_argument("--text-tokens", type=int, default=d["text_tokens"],
+                        help=f"tokens of --text to read, each chat cut at {TEXT_MAX_LEN}; 0 reads none [%(default)s]")
+    parser.add_argument("--precision", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="dtype the data is recorded in (a bfloat16 copy of the model) and the head's matmuls "
+                             "run in (mixed precision: its weights stay float32); auto: bfloat16 where the device "
+                             "multiplies it natively (CUDA compute capability ≥ 8, a CPU with AVX512-BF16 or AMX). "
+                             "The held-out evaluation runs the model as served [%(default)s]")
     parser.add_argument("--epochs", type=int, default=d["epochs"], help="passes over the data [%(default)s]")
     parser.add_argument("--depth", type=int, default=d["depth"],
                         help="draft positions trained per chain (train for the K you will serve) [%(default)s]")
@@ -127,41 +144,49 @@ def _run(args: argparse.Namespace, kind: HeadKind) -> int:
     from specdecode.runtime.models.loader import load_model
     from specdecode.runtime.training import distill, prompts, trainer
 
-    bad = [f"--{name.replace('_', '-')}" for name in POSITIVE + ("num_layers",) if getattr(args, name, 1) < 1]
-    problem = kind.check(args)
-    if bad or not 0 < args.draft_vocab_coverage <= 1 or problem:
-        print(f"{kind.command}: " + (problem or f"{', '.join(bad) or '--draft-vocab-coverage'} out of range "
-                                     "(counts ≥ 1, coverage in (0, 1])"), file=sys.stderr)
+    problem = kind.check(args) or _check_counts(args)
+    if problem:
+        print(f"{kind.command}: {problem}", file=sys.stderr)
         return 2
     timings: dict[str, float] = {}
     started = time.monotonic()
     try:
         prompts.ensure_installed()
-        chats = prompts.training_prompts(args.prompts, args.num_prompts)
+        chats = prompts.training_prompts(args.prompts, args.num_prompts) if args.num_prompts else []
+        texts = prompts.training_text(args.text) if args.text_tokens else []
         heldout = prompts.heldout_prompts(args.eval_prompts, args.eval_prompts_file)
-        prompts.check_disjoint(chats, heldout)
+        prompts.check_disjoint(chats + texts, heldout)
     except (ValueError, OSError) as exc:
         print(f"{kind.command}: {exc}", file=sys.stderr)
         return 2
     cfg = engine_config(args)
     loaded = load_model(cfg.load)
     model, tokenizer = loaded.model, loaded.tokenizer
+    precision = _precision(args.precision, loaded.dtype, loaded.device)
+    recording = model if precision == loaded.dtype else load_model(
+        cfg.load.model_copy(update={"dtype": DType.BFLOAT16})).model
     try:
-        recorder = kind.recorder(args, model)
+        recorders = [kind.recorder(args, recording) for _ in range(2)]  # one per phase: request ids restart
     except ValueError as exc:
         print(f"{kind.command}: {exc}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
 
-    prompt_ids = [_chat_ids(tokenizer, chat) for chat in chats]
-    with tqdm(total=len(prompt_ids), desc="generate", unit="prompt") as bar:
-        data = distill.generate(model, tokenizer, prompt_ids, args.max_tokens, recorder, loaded.device, loaded.dtype,
-                                bar.update)
+    def record(ids: list[list[int]], max_tokens: int, recorder: HiddenRecorder, desc: str) -> Distilled:
+        with tqdm(total=len(ids), desc=desc, unit="chat") as bar:
+            return distill.generate(recording, tokenizer, ids, max_tokens, recorder, loaded.device, precision,
+                                    bar.update)
+
+    data = record([_chat_ids(tokenizer, chat) for chat in chats], args.max_tokens, recorders[0], "generate")
     timings["generate_s"] = time.monotonic() - started
+    data += record(_text_ids(tokenizer, texts, args.text_tokens), 1, recorders[1], "read")  # prefill only
+    timings["read_s"] = time.monotonic() - started - sum(timings.values())
+    del recording, recorders
 
     vocab_ids, default_size = _draft_vocabulary(data, args.draft_vocab_coverage)
     trainee = kind.trainee(args, model, data, vocab_ids.to(loaded.device), default_size)
-    train_cfg = trainer.TrainConfig(epochs=args.epochs, depth=args.depth, lr=args.lr, seed=args.seed)
+    train_cfg = trainer.TrainConfig(epochs=args.epochs, depth=args.depth, lr=args.lr, seed=args.seed,
+                                    autocast=None if precision == torch.float32 else precision)
     with tqdm(total=args.epochs * trainer.num_batches(data, train_cfg), desc="train", unit="step") as bar:
         losses = trainer.train(trainee.head, data, train_cfg, trainee.loss, loaded.device, loaded.dtype,
                                lambda n, loss: (bar.update(n), bar.set_postfix(loss=f"{loss:.3f}")))
@@ -172,11 +197,38 @@ def _run(args: argparse.Namespace, kind: HeadKind) -> int:
     evaluation = _evaluate(model, tokenizer, cfg, kind.spec(out), heldout, args.eval_k, args.eval_max_tokens)
     timings["evaluate_s"] = time.monotonic() - started - sum(timings.values())
     timings["total_s"] = time.monotonic() - started
-    report = {"settings": {k: v for k, v in vars(args).items() if k != "run"}, "training_tokens": data.num_tokens,
+    report = {"settings": {k: v for k, v in vars(args).items() if k != "run"}, "precision": str(precision),
+              "training_tokens": data.num_tokens, "generated_chats": len(chats),
+              "read_chats": data.num_sequences - len(chats),
               "epoch_losses": losses, "draft_vocab_size": default_size, "heldout": evaluation, "timings": timings}
     (out / "train_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     _print_summary(out, data.num_tokens, losses, evaluation, timings, args.eval_k)
     return 0
+
+
+def _check_counts(args: argparse.Namespace) -> str | None:
+    bad = [f"--{name.replace('_', '-')}" for name in POSITIVE + ("num_layers",) if getattr(args, name, 1) < 1]
+    bad += [f"--{name.replace('_', '-')}" for name in ("num_prompts", "text_tokens") if getattr(args, name) < 0]
+    if bad or not 0 < args.draft_vocab_coverage <= 1:
+        return f"{', '.join(bad) or '--draft-vocab-coverage'} out of range (counts ≥ 1, --num-prompts and " \
+               "--text-tokens ≥ 0, coverage in (0, 1])"
+    if not args.num_prompts and not args.text_tokens:
+        return "no training data: --num-prompts and --text-tokens are both 0"
+    return None
+
+
+def _precision(choice: str, served: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the data is recorded in and the head's matmuls run in: a model served in half precision
+    keeps its own; ``auto`` is bfloat16 where the device multiplies it natively, else float32."""
+    import torch
+
+    from specdecode.runtime.device import has_native_bfloat16
+
+    if served != torch.float32:
+        return served
+    if choice == "auto":
+        return torch.bfloat16 if has_native_bfloat16(device) else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[choice]
 
 
 def _mtp_recorder(args: argparse.Namespace, model: DecoderLM) -> HiddenRecorder:
@@ -255,6 +307,20 @@ EAGLE3 = HeadKind("train-eagle3", _eagle3_check, _eagle3_recorder, _eagle3_train
 def _chat_ids(tokenizer, chat) -> list[int]:
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _text_ids(tokenizer, texts, budget: int) -> list[list[int]]:
+    """Chats of ``texts`` rendered whole (no generation prompt) and cut at ``TEXT_MAX_LEN`` tokens, in
+    order, until ``budget`` tokens."""
+    ids: list[list[int]] = []
+    total = 0
+    for chat in texts:
+        if total >= budget:
+            break
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=False)
+        ids.append(tokenizer.encode(text, add_special_tokens=False)[: min(TEXT_MAX_LEN, budget - total)])
+        total += len(ids[-1])
+    return ids
 
 
 def _draft_vocabulary(data, coverage: float):

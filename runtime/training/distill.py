@@ -44,6 +44,13 @@ class Distilled:
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
 
+    @property
+    def num_sequences(self) -> int:
+        return len(self.token_ids)
+
+    def __add__(self, other: Distilled) -> Distilled:
+        return Distilled(self.token_ids + other.token_ids, self.source + other.source, self.labels + other.labels)
+
 
 @dataclass
 class _Record:
@@ -75,7 +82,7 @@ class HiddenRecorder(Proposer):
                 raise RuntimeError(f"request {seq.request_id} skipped or repeated positions (from {item.start}): "
                                    "record without prefix caching, in a pool that preempts nothing")
             positions = range(item.start, item.start + item.num_tokens)
-            record.source.append(self.source(rows).float().cpu())
+            record.source.append(self.source(rows).cpu())  # in the recording model's dtype
             record.labels.append(torch.tensor([_greedy_label(seq, p) for p in positions], dtype=torch.long))
             record.num_positions += item.num_tokens
 
@@ -94,7 +101,11 @@ def generate(
 ) -> Distilled:
     """Greedy continuations of ``prompts`` in one continuous batch, recorded by ``recorder`` as they
     are computed: without prefix caching (a cached prefix is not computed) and with a KV pool that
-    holds every running sequence whole (a preempted one would be computed twice)."""
+    holds every running sequence whole (a preempted one would be computed twice). With ``max_tokens``
+    1 only the prompts are recorded (one prefill each, teacher-forced: the appended token is never fed
+    back)."""
+    if not prompts:
+        return Distilled([], [], [])
     longest = max(len(p) for p in prompts) + max_tokens
     cfg = EngineConfig(cache=CacheConfig(num_blocks=MAX_RUNNING * (-(-longest // 16)), enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_seqs=MAX_RUNNING))

