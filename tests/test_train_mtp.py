@@ -139,13 +139,16 @@ def test_drafts_after_accepted_drafts_equal_the_formula(trained, tiny_hf_model_d
 
 
 def test_default_training_prompts_are_disjoint_from_every_benchmark_and_heldout_prompt():
-    """Against every user text a benchmark can draw: all ShareGPT first turns (the sharegpt-* sets
-    pick among them), all of HumanEval, the built-in prompts, each set as ``bench`` loads it, and
-    the held-out prompts."""
+    """The generated prompts and the user turns of the text read, against every user text a benchmark
+    can draw: all ShareGPT first turns (the sharegpt-* sets pick among them), all of HumanEval, the
+    built-in prompts, each set as ``bench`` loads it, and the held-out prompts."""
     from specdecode.runtime.prompt_sets import BUILTIN_PROMPTS, PROMPT_SETS, sharegpt_first_turns
 
     train = {m["content"].strip() for chat in prompts.training_prompts("sharegpt-followups", 320) for m in chat}
     assert len(train) == 320
+    read = prompts.training_text("sharegpt-replies")[:2000]  # more chats than the default --text-tokens reads
+    assert all(len(chat) == 2 and chat[1]["role"] == "assistant" for chat in read)
+    train |= {chat[0]["content"].strip() for chat in read}
     as_chats = lambda texts: [[{"role": "user", "content": t}] for t in texts]  # noqa: E731
     others = {"sharegpt first turns": as_chats(sharegpt_first_turns()), "builtin": as_chats(BUILTIN_PROMPTS),
               "heldout": prompts.heldout_prompts(command.TRAIN_DEFAULTS["eval_prompts"])}

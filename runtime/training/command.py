@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from specdecode.runtime.training.distill import Distilled, HiddenRecorder
     from specdecode.runtime.training.trainer import BatchLoss
 
-TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, text_tokens=400_000, epochs=5, num_layers=1, depth=2, seed=0,
-                      eval_prompts=16, eval_max_tokens=96, eval_k=2, coverage=0.99, lr=3e-3)
+TRAIN_DEFAULTS = dict(num_prompts=320, max_tokens=96, text_tokens=500_000, epochs=2, num_layers=1, depth=2, seed=0,
+                      eval_prompts=16, eval_max_tokens=96, eval_k=2, coverage=0.95, lr=3e-3)
 TEXT_MAX_LEN = 512  # tokens of one --text chat read
 POSITIVE = ("max_tokens", "epochs", "depth", "eval_prompts", "eval_max_tokens", "eval_k")
 
