@@ -2,7 +2,7 @@
 then measure it.
 
 Phases, each with its progress bar: generate the model's own continuations of the training
-prompts, then read text teacher-forced (one prefill a chat: about 3× the tokens per second of
+prompts, then read text teacher-forced (one prefill a chat: about 1.6× the tokens per second of
 generating), recording at every position what the head reads (MTP: the tapped hidden states;
 EAGLE-3: the residual streams entering its aux layers) and the model's greedy next token
 (``distill.py``); train (``trainer.py``, with ``mtp_head.py``'s or ``eagle3_head.py``'s loss);
