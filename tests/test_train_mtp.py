@@ -170,8 +170,12 @@ def test_default_training_prompts_are_disjoint_from_every_benchmark_and_heldout_
     (["--text", "sharegpt-chat"], "is a benchmark prompt set"),
     (["--text-tokens", "-1"], "--text-tokens out of range"),
     (["--num-prompts", "0", "--text-tokens", "0"], "no training data"),
+    (["--text", "/nonexistent/text.json"], "train-mtp:"),
+    (["--text", "EMPTY"], "no chats to read"),
 ])
 def test_bad_arguments_are_refused_with_exit_2_before_any_work(args, message, tiny_hf_model_dir, tmp_path, capsys):
+    (tmp_path / "empty.json").write_text("[]")
+    args = [str(tmp_path / "empty.json") if arg == "EMPTY" else arg for arg in args]
     assert main(["train-mtp", "--model", str(tiny_hf_model_dir), "--out", str(tmp_path / "h"), *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "h").exists()

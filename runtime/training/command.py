@@ -106,7 +106,8 @@ def _add_shared(parser: argparse.ArgumentParser) -> None:
                         help="dtype the data is recorded in (a bfloat16 copy of the model) and the head's matmuls "
                              "run in (mixed precision: its weights stay float32); auto: bfloat16 where the device "
                              "multiplies it natively (CUDA compute capability ≥ 8, a CPU with AVX512-BF16 or AMX). "
-                             "The held-out evaluation runs the model as served [%(default)s]")
+                             "A model served in half precision records and trains in its own dtype; the held-out "
+                             "evaluation runs the model as served [%(default)s]")
     parser.add_argument("--epochs", type=int, default=d["epochs"], help="passes over the data [%(default)s]")
     parser.add_argument("--depth", type=int, default=d["depth"],
                         help="draft positions trained per chain (train for the K you will serve) [%(default)s]")
@@ -154,6 +155,8 @@ def _run(args: argparse.Namespace, kind: HeadKind) -> int:
         prompts.ensure_installed()
         chats = prompts.training_prompts(args.prompts, args.num_prompts) if args.num_prompts else []
         texts = prompts.training_text(args.text) if args.text_tokens else []
+        if args.text_tokens and not texts:
+            raise ValueError(f"--text {args.text}: no chats to read")
         heldout = prompts.heldout_prompts(args.eval_prompts, args.eval_prompts_file)
         prompts.check_disjoint(chats + texts, heldout)
     except (ValueError, OSError) as exc:
@@ -166,22 +169,23 @@ def _run(args: argparse.Namespace, kind: HeadKind) -> int:
     recording = model if precision == loaded.dtype else load_model(
         cfg.load.model_copy(update={"dtype": DType.BFLOAT16})).model
     try:
-        recorders = [kind.recorder(args, recording) for _ in range(2)]  # one per phase: request ids restart
+        recorder = kind.recorder(args, recording)
     except ValueError as exc:
         print(f"{kind.command}: {exc}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
 
-    def record(ids: list[list[int]], max_tokens: int, recorder: HiddenRecorder, desc: str) -> Distilled:
+    def record(ids: list[list[int]], max_tokens: int, desc: str) -> Distilled:
         with tqdm(total=len(ids), desc=desc, unit="chat") as bar:
             return distill.generate(recording, tokenizer, ids, max_tokens, recorder, loaded.device, precision,
                                     bar.update)
 
-    data = record([_chat_ids(tokenizer, chat) for chat in chats], args.max_tokens, recorders[0], "generate")
+    data = record([_chat_ids(tokenizer, chat) for chat in chats], args.max_tokens, "generate")
     timings["generate_s"] = time.monotonic() - started
-    data += record(_text_ids(tokenizer, texts, args.text_tokens), 1, recorders[1], "read")  # prefill only
+    text_ids = _text_ids(tokenizer, texts, args.text_tokens)
+    data += record(text_ids, 1, "read")  # prefill only
     timings["read_s"] = time.monotonic() - started - sum(timings.values())
-    del recording, recorders
+    del recording, recorder  # a bfloat16 copy is not needed past here
 
     vocab_ids, default_size = _draft_vocabulary(data, args.draft_vocab_coverage)
     trainee = kind.trainee(args, model, data, vocab_ids.to(loaded.device), default_size)
@@ -199,7 +203,7 @@ def _run(args: argparse.Namespace, kind: HeadKind) -> int:
     timings["total_s"] = time.monotonic() - started
     report = {"settings": {k: v for k, v in vars(args).items() if k != "run"}, "precision": str(precision),
               "training_tokens": data.num_tokens, "generated_chats": len(chats),
-              "read_chats": data.num_sequences - len(chats),
+              "read_chats": len(text_ids),
               "epoch_losses": losses, "draft_vocab_size": default_size, "heldout": evaluation, "timings": timings}
     (out / "train_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     _print_summary(out, data.num_tokens, losses, evaluation, timings, args.eval_k)

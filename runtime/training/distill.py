@@ -44,10 +44,6 @@ class Distilled:
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self.token_ids)
-
     def __add__(self, other: Distilled) -> Distilled:
         return Distilled(self.token_ids + other.token_ids, self.source + other.source, self.labels + other.labels)
 
@@ -123,7 +119,7 @@ def generate(
                 progress(1)
     data = Distilled([], [], [])
     for request_id, tokens in sequences.items():
-        record = recorder.records[request_id]
+        record = recorder.records.pop(request_id)  # consumed: the recorder serves the next call afresh
         n = record.num_positions  # the last token was never fed back
         data.token_ids.append(torch.tensor(tokens[:n], dtype=torch.long))
         data.source.append(torch.cat(record.source))

@@ -16,7 +16,8 @@ through, the midlayer's residual is g itself (``norm_before_residual`` false) an
 MLP start small, the final norm and the LM head rows are the target's: a fresh head drafts the
 target's "logit lens" at its highest aux layer, which already agrees with the target often; the
 training learns the rest. The LM head rows stay frozen, as the MTP head's shared LM head: from half
-a million tokens a trained one generalised worse (held-out position 1 0.33 against 0.35, docs/mtp.md). The embedding is the target's (not saved: the loader shares it).
+a million tokens a trained one generalised worse (held-out position 1 0.33 against 0.35,
+docs/mtp.md). The embedding is the target's (not saved: the loader shares it).
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 
 from specdecode.runtime import prompt_sets
 from specdecode.runtime.prompt_sets import BUILTIN_PROMPTS, Messages, MissingData, load_prompts, spread
@@ -27,18 +28,30 @@ MIN_CHARS, MAX_CHARS = 64, 1000
 MIN_REPLY_CHARS = 200
 
 
+Turn = tuple[str, str]  # (speaker, text)
+
+
+def _followup_turns(keep: Callable[[Turn | None], bool]) -> Iterator[tuple[str, Turn | None]]:
+    """Each user turn after a conversation's first (64 to 1,000 characters, none that a benchmark or
+    evaluation set contains) whose following turn (None at the end) ``keep`` accepts, each text once."""
+    excluded = benchmark_texts()
+    seen: set[str] = set()
+    for turns in prompt_sets.sharegpt_conversations():
+        for i, (speaker, text) in enumerate(turns[1:], start=1):
+            after = turns[i + 1] if i + 1 < len(turns) else None
+            if (speaker == "human" and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded
+                    and text not in seen and keep(after)):
+                seen.add(text)
+                yield text, after
+
+
 def sharegpt_followups(num_prompts: int) -> list[Messages]:
     """``num_prompts`` follow-up turns, half of them with code (``prompt_sets.CODE``) and half without,
     each half spread over the file (fixed for a given package version). Code is ~5% of follow-ups;
     the evaluation is half code, and a head learns little of what it never sees."""
-    excluded = benchmark_texts()
-    seen: set[str] = set()
     code, other = [], []
-    for turns in prompt_sets.sharegpt_conversations():
-        for speaker, text in turns[1:]:
-            if speaker == "human" and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded and text not in seen:
-                seen.add(text)
-                (code if prompt_sets.CODE.search(text) else other).append(text)
+    for text, _ in _followup_turns(lambda after: True):
+        (code if prompt_sets.CODE.search(text) else other).append(text)
     with_code = num_prompts // 2
     texts = spread(code, with_code) + spread(other, num_prompts - with_code) if with_code else spread(other, num_prompts)
     return [[{"role": "user", "content": t}] for t in texts]
@@ -48,18 +61,12 @@ TRAIN_PROMPT_SETS = {"sharegpt-followups": sharegpt_followups}
 
 
 def sharegpt_replies() -> list[Messages]:
-    """Text to read teacher-forced: each follow-up turn ``sharegpt_followups`` may draw (the same rules)
-    with the assistant's reply that followed it in ShareGPT (over 200 characters), as a two-message
-    chat, in a fixed shuffled order (so any prefix of the list spreads over the file)."""
-    excluded = benchmark_texts()
-    seen: set[str] = set()
-    chats = []
-    for turns in prompt_sets.sharegpt_conversations():
-        for (speaker, text), (next_speaker, reply) in zip(turns[1:], turns[2:]):
-            if (speaker == "human" and next_speaker == "gpt" and len(reply) > MIN_REPLY_CHARS
-                    and MIN_CHARS <= len(text.strip()) <= MAX_CHARS and text not in excluded and text not in seen):
-                seen.add(text)
-                chats.append([{"role": "user", "content": text}, {"role": "assistant", "content": reply}])
+    """Text to read teacher-forced: each follow-up turn ``sharegpt_followups`` may draw with the
+    assistant's reply that followed it in ShareGPT (over 200 characters), as a two-message chat, in a
+    fixed shuffled order (so any prefix of the list spreads over the file)."""
+    replied = lambda after: after is not None and after[0] == "gpt" and len(after[1]) > MIN_REPLY_CHARS  # noqa: E731
+    chats = [[{"role": "user", "content": text}, {"role": "assistant", "content": after[1]}]
+             for text, after in _followup_turns(replied)]
     random.Random(0).shuffle(chats)
     return chats
 
